@@ -1,0 +1,178 @@
+"""The one settings object: every knob of the runtime, read from environment variables or flags.
+
+Each field names its environment variable; `faas-bootstrap` has a matching `--flag` for each. Values are
+parsed and checked here, so a bad value fails at start with a one-line reason instead of deep inside.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+
+class ConfigError(ValueError):
+    """A setting is missing, unknown or has an invalid value. The message is one line."""
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise ValueError("must be a positive integer")
+    return value
+
+
+def _optional_positive_int(text: str) -> int | None:
+    return None if text in ("", "auto") else _positive_int(text)
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value <= 1.0:
+        raise ValueError("must be in (0, 1]")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise ValueError("must be >= 0")
+    return value
+
+
+def _choice(*allowed: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        value = text.strip().lower()
+        if value not in allowed:
+            raise ValueError(f"must be one of {', '.join(allowed)}")
+        return value
+
+    return parse
+
+
+def _bool(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError("must be true or false")
+
+
+def _optional_path(text: str) -> Path | None:
+    return Path(text).expanduser() if text else None
+
+
+def _optional_str(text: str) -> str | None:
+    return text or None
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value < 65536:
+        raise ValueError("must be a TCP port (0-65535)")
+    return value
+
+
+def _setting(env: str, parse: Callable[[str], Any], default: Any, help: str) -> Any:
+    return field(default=default, metadata={"env": env, "parse": parse, "help": help})
+
+
+def _default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "thawllm"
+
+
+@dataclass(frozen=True)
+class Settings:
+    model: str | None = _setting(
+        "MODEL", _optional_str, None,
+        "model directory, GGUF file, faas-build layout or s3:// prefix; unset serves the embedded SmolLM2")
+    port: int = _setting("PORT", _port, 8080, "TCP port to listen on")
+    host: str = _setting("HOST", str, "0.0.0.0", "address to listen on")
+    device: str = _setting("DEVICE", _choice("auto", "cpu", "cuda"), "auto", "auto, cpu or cuda")
+    dtype: str = _setting(
+        "DTYPE", _choice("auto", "float32", "bfloat16", "float16"), "auto",
+        "weights and activations dtype; auto is bfloat16 on cuda, float32 on cpu")
+    snapshot_dir: Path | None = _setting(
+        "SNAPSHOT_DIR", _optional_path, None, "where faas-build wrote the snapshots (unset: none)")
+    cache_dir: Path = _setting(
+        "CACHE_DIR", lambda t: Path(t).expanduser(), _default_cache_dir(),
+        "local disk cache for weights and the imported embedded model")
+    cache_max_gb: float = _setting("CACHE_MAX_GB", _positive_float, 100.0, "disk cache size bound (GiB)")
+    api_key: str | None = _setting("API_KEY", _optional_str, None, "require this bearer token (unset: open)")
+    max_model_len: int | None = _setting(
+        "MAX_MODEL_LEN", _optional_positive_int, None, "context length (default: the model's, at most 4096)")
+    max_num_seqs: int | None = _setting(
+        "MAX_NUM_SEQS", _optional_positive_int, None, "most sequences in a batch (default 256 cuda, 16 cpu)")
+    max_num_batched_tokens: int | None = _setting(
+        "MAX_NUM_BATCHED_TOKENS", _optional_positive_int, None, "most tokens in one step (default 8192)")
+    gpu_memory_utilization: float = _setting(
+        "GPU_MEMORY_UTILIZATION", _fraction, 0.90, "share of GPU memory the engine may use")
+    enforce_eager: bool = _setting("ENFORCE_EAGER", _bool, False, "never use CUDA graphs")
+    handler: str = _setting(
+        "HANDLER", str, "handlers.openai:handler", "module:attribute of the handler to serve")
+    served_model_name: str | None = _setting(
+        "SERVED_MODEL_NAME", _optional_str, None, "model name clients use (default: derived from MODEL)")
+    restore: str = _setting(
+        "RESTORE", _choice("auto", "gpu", "process", "materialized", "cold"), "auto",
+        "restore path: auto takes the fastest that matches; others force one (falling back when absent)")
+    shutdown_grace_s: float = _setting(
+        "SHUTDOWN_GRACE_S", _positive_float, 30.0, "on SIGTERM, how long in-flight requests may finish")
+    log_level: str = _setting(
+        "LOG_LEVEL", _choice("debug", "info", "warning", "error"), "info", "debug, info, warning or error")
+
+    @classmethod
+    def fields(cls) -> list[dataclasses.Field]:
+        return list(dataclasses.fields(cls))
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None) -> "Settings":
+        environ = os.environ if environ is None else environ
+        values = {}
+        for f in cls.fields():
+            env = f.metadata["env"]
+            if env in environ:
+                values[f.name] = _parse(f, environ[env], env)
+        return cls(**values)
+
+    @classmethod
+    def from_args(cls, argv: Sequence[str] | None, environ: Mapping[str, str] | None = None,
+                  prog: str = "faas-bootstrap") -> "Settings":
+        """Environment first, then flags on top. Raises ConfigError (argparse's exit is turned off)."""
+        parser = cls.argument_parser(prog)
+        try:
+            namespace, extra = parser.parse_known_args(argv)
+        except SystemExit as exc:  # argparse prints its own message for --help
+            raise ConfigError("bad command line") from exc
+        if extra:
+            raise ConfigError(f"unknown argument {extra[0]!r} (see {prog} --help)")
+        settings = cls.from_env(environ)
+        overrides = {}
+        for f in cls.fields():
+            text = getattr(namespace, f.name)
+            if text is not None:
+                overrides[f.name] = _parse(f, text, "--" + f.name.replace("_", "-"))
+        return dataclasses.replace(settings, **overrides)
+
+    @classmethod
+    def argument_parser(cls, prog: str) -> argparse.ArgumentParser:
+        parser = argparse.ArgumentParser(prog=prog, description="Start the thawllm function runtime.")
+        for f in cls.fields():
+            parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=None,
+                                help=f"{f.metadata['help']} [env {f.metadata['env']}]")
+        return parser
+
+    def replace(self, **changes: Any) -> "Settings":
+        return dataclasses.replace(self, **changes)
+
+
+def _parse(f: dataclasses.Field, text: str, source: str) -> Any:
+    try:
+        return f.metadata["parse"](text)
+    except ValueError as exc:
+        reason = str(exc) if "must" in str(exc) else f"must be a valid {f.name.replace('_', ' ')}"
+        raise ConfigError(f"{source}={text!r}: {reason}") from None

@@ -1,0 +1,40 @@
+"""What the engine hands back to a handler, one record per step of a request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    token: str
+    logprob: float
+    # the most likely tokens at this step, as (token_id, token text, logprob), when asked for
+    top: list[tuple[int, str, float]] = field(default_factory=list)
+
+
+@dataclass
+class RequestOutput:
+    """New text and tokens since the previous output of the same request.
+
+    `text` never ends in the middle of a UTF-8 character and never contains text that might still turn
+    out to be the start of a stop string; both are held back until resolved.
+    """
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+    finished: bool
+    finish_reason: str | None  # "stop", "length" or "abort" once finished
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass
+class EngineStats:
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int

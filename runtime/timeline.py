@@ -1,0 +1,132 @@
+"""The cold-start timeline: one object that times every stage from process spawn to first token.
+
+Times are wall-clock seconds (time.time()) so that a parent process, a benchmark harness and a process
+restored by CRIU all agree on them. Stages may overlap (weights stream while graphs are restored) and may
+be recorded from any thread.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+RUNTIME_INIT = "runtime_init"
+RESTORE = "restore"
+TOKENIZER = "tokenizer"
+MODEL_STRUCTURE = "model_structure"
+CUDA_INIT = "cuda_init"
+WEIGHTS = "weights"
+KV_CACHE = "kv_cache"
+KERNEL_PRELOAD = "kernel_preload"
+CUDA_GRAPHS = "cuda_graphs"
+READY = "ready"
+FIRST_TOKEN = "first_token"
+
+#: the order stages are printed and drawn in
+STAGE_ORDER = (RUNTIME_INIT, RESTORE, TOKENIZER, MODEL_STRUCTURE, CUDA_INIT, WEIGHTS, KV_CACHE,
+               KERNEL_PRELOAD, CUDA_GRAPHS, READY, FIRST_TOKEN)
+
+
+@dataclass
+class Stage:
+    name: str
+    start: float
+    end: float | None = None
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def seconds(self) -> float:
+        return (self.end if self.end is not None else time.time()) - self.start
+
+
+def process_start_time(pid: int | None = None) -> float:
+    """Wall-clock time at which a process was spawned, from /proc (10 ms resolution)."""
+    try:
+        with open(f"/proc/{pid or 'self'}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        ticks = int(fields[19])  # field 22, counted after the ") " that ends the command name
+        since_boot = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+        return time.time() - since_boot
+    except (OSError, ValueError, IndexError):
+        return time.time()
+
+
+class Timeline:
+    def __init__(self, origin: float | None = None) -> None:
+        self.origin = origin if origin is not None else _spawn_origin()
+        self._stages: list[Stage] = []
+        self._lock = threading.Lock()
+
+    def rebase(self, origin: float) -> None:
+        """Measure from a new spawn time, e.g. the bootstrap's, after a CRIU restore."""
+        self.origin = origin
+
+    def record(self, name: str, start: float, end: float, **detail: Any) -> Stage:
+        stage = Stage(name, start, end, dict(detail))
+        with self._lock:
+            self._stages.append(stage)
+        return stage
+
+    @contextmanager
+    def stage(self, name: str, **detail: Any) -> Iterator[Stage]:
+        stage = Stage(name, time.time(), None, dict(detail))
+        with self._lock:
+            self._stages.append(stage)
+        try:
+            yield stage
+        finally:
+            stage.end = time.time()
+
+    def mark(self, name: str, **detail: Any) -> Stage:
+        """A stage that ends now and started where the previous stage of the timeline ended."""
+        now = time.time()
+        with self._lock:
+            ends = [s.end for s in self._stages if s.end is not None]
+        start = max(ends) if ends else self.origin
+        return self.record(name, start, now, **detail)
+
+    def stages(self) -> list[Stage]:
+        with self._lock:
+            return list(self._stages)
+
+    def get(self, name: str) -> Stage | None:
+        for stage in self.stages():
+            if stage.name == name:
+                return stage
+        return None
+
+    def durations(self) -> dict[str, float]:
+        """stage name -> seconds, summed when a stage was recorded more than once."""
+        out: dict[str, float] = {}
+        for stage in self.stages():
+            if stage.end is not None:
+                out[stage.name] = round(out.get(stage.name, 0.0) + stage.seconds, 6)
+        return out
+
+    def as_json(self) -> list[dict[str, Any]]:
+        return [{"stage": s.name, "start_s": round(s.start - self.origin, 6),
+                 "end_s": None if s.end is None else round(s.end - self.origin, 6),
+                 "seconds": round(s.seconds, 6), **({"detail": s.detail} if s.detail else {})}
+                for s in self.stages()]
+
+    def format_table(self) -> str:
+        rows = ["cold-start timeline (seconds since spawn)",
+                f"  {'stage':<16} {'start':>8} {'end':>8} {'took':>8}  detail"]
+        for s in sorted(self.stages(), key=lambda s: s.start):
+            end = "-" if s.end is None else f"{s.end - self.origin:8.3f}"
+            detail = " ".join(f"{k}={_short(v)}" for k, v in s.detail.items())
+            rows.append(f"  {s.name:<16} {s.start - self.origin:8.3f} {end:>8} {s.seconds:8.3f}  {detail}")
+        return "\n".join(rows)
+
+
+def _spawn_origin() -> float:
+    spawned = os.environ.get("THAWLLM_SPAWN_TIME")
+    return float(spawned) if spawned else process_start_time()
+
+
+def _short(value: Any) -> str:
+    return f"{value:.3g}" if isinstance(value, float) else str(value)
