@@ -1,0 +1,31 @@
+"""The engine's own knobs, derived from the runtime settings (runtime/config.py) by the bootstrap."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+#: the decode batch sizes vLLM captures CUDA graphs for: 1, 2, 4 and every multiple of 8 up to 256
+CUDA_GRAPH_BATCH_SIZES = (1, 2, 4) + tuple(range(8, 257, 8))
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    device: str = "cpu"                 # "cpu" or "cuda" (already resolved, never "auto")
+    dtype: str = "float32"              # float32, bfloat16 or float16
+    max_model_len: int | None = None    # None: the model's own, at most 4096
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 8192
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    num_kv_blocks: int | None = None    # a fixed KV budget in blocks (None: profile on cuda, size by memory on cpu)
+    cpu_kv_cache_bytes: int = 1 << 30   # KV budget on cpu when num_kv_blocks is None
+    enforce_eager: bool = False
+    cuda_graph_batch_sizes: tuple[int, ...] = field(default=CUDA_GRAPH_BATCH_SIZES)
+    seed: int = 0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    @property
+    def use_cuda_graphs(self) -> bool:
+        return self.device == "cuda" and not self.enforce_eager

@@ -1,0 +1,15 @@
+"""The SwiGLU gate: silu(gate) * up over the fused gate_up projection's output."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    if x.is_cuda:
+        from runtime.engine.kernels.activation import silu_and_mul as kernel
+
+        return kernel(x)
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -1,0 +1,51 @@
+"""Rotary position embeddings (the rotate-half convention of Hugging Face checkpoints), incl. llama3 scaling."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from runtime.engine.model_config import RopeScaling
+
+
+def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    # Llama 3.1: long wavelengths are slowed down by `factor`, short ones kept, the band between blended.
+    old_len = scaling.original_max_position_embeddings
+    low_wavelen = old_len / scaling.low_freq_factor
+    high_wavelen = old_len / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (old_len / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
+    blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, blended, scaled)
+
+
+def cos_sin_table(max_positions: int, inv_freq: torch.Tensor) -> torch.Tensor:
+    """[max_positions, head_dim] float32: cos of each frequency in the first half, sin in the second."""
+    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+    return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+
+
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
+                 cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [T, heads, head_dim], k: [T, kv_heads, head_dim]. In place on cuda; new tensors on cpu."""
+    if q.is_cuda:
+        from runtime.engine.kernels.rotary import rotary_inplace
+
+        rotary_inplace(q, k, positions, cos_sin)
+        return q, k
+    half = cos_sin.shape[-1] // 2
+    table = cos_sin[positions]
+    cos = torch.cat([table[:, :half]] * 2, dim=-1)[:, None, :].to(q.dtype)
+    sin = torch.cat([table[:, half:]] * 2, dim=-1)[:, None, :].to(q.dtype)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)

@@ -1,0 +1,310 @@
+"""The engine: an async `generate()` in front of a step loop that runs on its own thread.
+
+Two phases, so that a process snapshot can be taken between them (snapshots/process):
+`Engine.build()` does everything that needs no device (tokenizer, model config, the model on the meta
+device, the weight plan); `Engine.start()` initialises the device, allocates and streams the weights, sizes
+and allocates the KV cache and captures (or restores) the decode CUDA graphs, then starts the step loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import AsyncIterator, Callable, Protocol
+
+import torch
+
+from runtime import timeline as stages
+from runtime.engine.block_manager import BlockManager
+from runtime.engine.detokenizer import OutputText
+from runtime.engine.engine_config import EngineConfig
+from runtime.engine.model_config import ModelConfig
+from runtime.engine.model_runner import KVProfile, ModelRunner
+from runtime.engine.models.llama import build_on_meta
+from runtime.engine.outputs import EngineStats, RequestOutput, TokenLogprob
+from runtime.engine.sampler import SampledToken, Sampler
+from runtime.engine.sampling_params import InvalidParams, SamplingParams
+from runtime.engine.scheduler import Scheduler
+from runtime.engine.sequence import Sequence
+from runtime.engine.tokenizer import Tokenizer
+from runtime.engine.weight_plan import WeightPlan, plan_weights
+from runtime.logs import get_logger
+from runtime.timeline import Timeline
+
+log = get_logger("engine")
+
+DEFAULT_MAX_MODEL_LEN = 4096
+
+
+class WeightLoad(Protocol):
+    def wait(self) -> object: ...
+
+
+#: starts filling the flat weight buffer and returns at once (runtime/weights/loader.py provides one)
+LoadWeights = Callable[[WeightPlan, torch.Tensor], WeightLoad]
+
+
+class GraphRestorer(Protocol):
+    """Rebuilds the decode graphs from a materialised description instead of capturing them
+    (snapshots/cudagraph). Returns the batch sizes it could not restore, which are captured live."""
+
+    def restore(self, runner: ModelRunner) -> dict[int, str]: ...
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    text: OutputText
+    loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue
+    stop_ids: set[int] = field(default_factory=set)
+
+
+class Engine:
+    def __init__(self, model_dir: Path, model_config: ModelConfig, tokenizer: Tokenizer, config: EngineConfig,
+                 load_weights: LoadWeights, timeline: Timeline, model_name: str) -> None:
+        self.model_dir = model_dir
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.config = config
+        self.model_name = model_name
+        self.timeline = timeline
+        self.max_model_len = config.max_model_len or min(DEFAULT_MAX_MODEL_LEN, model_config.max_position_embeddings)
+        self.plan = plan_weights(model_config, config.dtype)
+        self.model = build_on_meta(model_config)
+        self._load_weights = load_weights
+        self.runner: ModelRunner | None = None
+        self.kv_profile: KVProfile | None = None
+        self.graph_fallbacks: dict[int, str] = {}
+        self.ready = False
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._requests: dict[str, _Request] = {}
+        self._thread: threading.Thread | None = None
+
+    # -- construction ------------------------------------------------------------------------------
+
+    @classmethod
+    def build(cls, model_dir: str | Path, load_weights: LoadWeights, config: EngineConfig,
+              timeline: Timeline | None = None, model_name: str | None = None) -> "Engine":
+        """Everything that needs no device: safe to run before a CRIU checkpoint."""
+        timeline = timeline or Timeline()
+        model_dir = Path(model_dir)
+        with timeline.stage(stages.TOKENIZER):
+            tokenizer = Tokenizer(model_dir)
+        with timeline.stage(stages.MODEL_STRUCTURE):
+            model_config = ModelConfig.from_dir(model_dir)
+            engine = cls(model_dir, model_config, tokenizer, config, load_weights, timeline,
+                         model_name or model_dir.name)
+        if config.max_model_len and config.max_model_len > model_config.max_position_embeddings:
+            raise InvalidParams("max_model_len", f"MAX_MODEL_LEN={config.max_model_len} is longer than the "
+                                f"model's {model_config.max_position_embeddings} positions")
+        return engine
+
+    def start(self, kv_blocks: int | None = None, graph_restorer: GraphRestorer | None = None,
+              profile_kv: bool = True, keep_graphs: bool = False) -> None:
+        """Device phase. With `kv_blocks` and `graph_restorer` (materialised state) the KV profile and the
+        graph capture are skipped and overlap the weight stream; without them, like vLLM: load, then profile,
+        then capture."""
+        t = self.timeline
+        with t.stage(stages.CUDA_INIT, device=self.config.device):
+            device = torch.device(self.config.device)
+            if device.type == "cuda":
+                torch.cuda.init()
+                torch.empty(1, device=device)
+        runner = ModelRunner(self.model, self.model_config, self.config, self.max_model_len)
+        self.runner = runner
+        weights_stage = t.stage(stages.WEIGHTS, bytes=self.plan.total_bytes)
+        weights_stage.__enter__()
+        buffer = runner.allocate_weights(self.plan)
+        load = self._load_weights(self.plan, buffer)
+        materialized = kv_blocks is not None
+        if not materialized:
+            load.wait()
+            weights_stage.__exit__(None, None, None)
+        with t.stage(stages.KV_CACHE, materialized=materialized) as kv_stage:
+            runner.allocate_static()
+            if kv_blocks is None and device.type == "cuda" and profile_kv:
+                self.kv_profile = runner.profile_kv_blocks()
+                kv_blocks = self.kv_profile.num_blocks
+            elif kv_blocks is None:
+                kv_blocks = self.config.num_kv_blocks or runner.cpu_kv_blocks()
+            if self.config.num_kv_blocks:
+                kv_blocks = self.config.num_kv_blocks
+            runner.allocate_kv(kv_blocks)
+            kv_stage.detail["blocks"] = kv_blocks
+        if runner.graph_batch_sizes:
+            with t.stage(stages.CUDA_GRAPHS, restored=graph_restorer is not None) as graph_stage:
+                if graph_restorer is not None:
+                    self.graph_fallbacks = graph_restorer.restore(runner)
+                    for bs, why in self.graph_fallbacks.items():
+                        log.warning("graph for batch size %d captured live: %s", bs, why)
+                missing = [bs for bs in runner.graph_batch_sizes if bs not in runner.graphs]
+                if missing:
+                    keep = runner.graph_batch_sizes
+                    runner.graph_batch_sizes = missing
+                    runner.capture_graphs(keep_graphs=keep_graphs)
+                    runner.graph_batch_sizes = keep
+                graph_stage.detail["graphs"] = len(runner.graphs)
+        if materialized:
+            load.wait()
+            weights_stage.__exit__(None, None, None)
+        self.blocks = BlockManager(kv_blocks, self.config.block_size, reserved=runner.reserved_blocks)
+        self.scheduler = Scheduler(self.blocks, self.config.max_num_seqs,
+                                   max(self.config.max_num_batched_tokens, self.max_model_len))
+        self.sampler = Sampler(device, self.config.seed)
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+        self.ready = True
+
+    # -- the async API -----------------------------------------------------------------------------
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        if not self.ready:
+            raise RuntimeError("the engine is not started")
+        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._check_prompt(prompt_ids, params)
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._requests:
+            raise InvalidParams("request_id", f"request {request_id} is already running")
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= self.tokenizer.eos_token_ids
+        request = _Request(Sequence(request_id, prompt_ids, params),
+                           OutputText(self.tokenizer, prompt_ids, params.stop),
+                           asyncio.get_running_loop(), asyncio.Queue(), stop_ids)
+        self._requests[request_id] = request
+        self._inbox.put(("add", request))
+        finished = False
+        try:
+            while not finished:
+                out = await request.outputs.get()
+                if isinstance(out, BaseException):
+                    raise out
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self._inbox.put(("abort", request_id))
+
+    async def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    def stats(self) -> EngineStats:
+        if not self.ready:
+            return EngineStats(0, 0, 0, 0)
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting),
+                           self.blocks.num_used, self.blocks.num_blocks)
+
+    def shutdown(self) -> None:
+        if self._thread is not None:
+            self._inbox.put(("stop", None))
+            self._thread.join(timeout=10)
+            self._thread = None
+        self.ready = False
+
+    def _check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise InvalidParams("prompt", "the prompt is empty")
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise InvalidParams(
+                "max_tokens", f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                f"requested {total} tokens ({len(prompt_ids)} in the prompt, {params.max_tokens} for the completion).")
+        capacity = self.blocks.num_blocks * self.config.block_size
+        if total > capacity:
+            raise InvalidParams("max_tokens", f"the request needs {total} tokens of KV cache but the whole cache "
+                                f"holds {capacity}")
+        if max(prompt_ids) >= self.model_config.vocab_size or min(prompt_ids) < 0:
+            raise InvalidParams("prompt", "the prompt has token ids outside the vocabulary")
+
+    # -- the step loop (engine thread) -------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            if not self._drain_inbox(block=not self.scheduler.has_work()):
+                return
+            try:
+                self._step()
+            except Exception as exc:  # a failed step fails its requests; the engine keeps serving
+                log.exception("engine step failed")
+                for request_id in [s.request_id for s in (*self.scheduler.running, *self.scheduler.waiting)]:
+                    self._fail(request_id, exc)
+
+    def _drain_inbox(self, block: bool) -> bool:
+        while True:
+            try:
+                kind, item = self._inbox.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if kind == "stop":
+                return False
+            if kind == "add":
+                self.scheduler.add(item.seq)
+            elif kind == "abort":
+                self._finish(item, "abort")
+
+    def _step(self) -> None:
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return
+        logits = self.runner.execute(batch, self.blocks)
+        sampled = self.sampler(logits, batch.seqs)
+        for seq, n, token in zip(batch.seqs, batch.num_new_tokens, sampled):
+            seq.num_computed_tokens += n
+            self._append_token(self._requests[seq.request_id], token)
+
+    def _append_token(self, request: _Request, token: SampledToken) -> None:
+        seq = request.seq
+        seq.output_ids.append(token.token_id)
+        reason = None
+        if token.token_id in request.stop_ids:
+            reason = "stop"
+        elif request.text.add_token(token.token_id):
+            reason = "stop"
+        elif len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        logprobs = None
+        if seq.params.logprobs is not None:
+            text_of = self.tokenizer.token_text
+            logprobs = [TokenLogprob(token.token_id, text_of(token.token_id), token.logprob,
+                                     [(t, text_of(t), lp) for t, lp in token.top or []])]
+        self._emit(request, [token.token_id], logprobs, reason)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            self.sampler.forget(seq.request_id)
+            self._requests.pop(seq.request_id, None)
+
+    def _emit(self, request: _Request, token_ids: list[int], logprobs, reason: str | None) -> None:
+        seq = request.seq
+        out = RequestOutput(seq.request_id, request.text.release(final=reason is not None), token_ids, logprobs,
+                            reason is not None, reason, seq.num_prompt_tokens, len(seq.output_ids))
+        _deliver(request, out)
+
+    def _finish(self, request_id: str, reason: str) -> None:
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return
+        self.scheduler.finish(request.seq, reason)
+        self.sampler.forget(request_id)
+        self._emit(request, [], None, reason)
+
+    def _fail(self, request_id: str, exc: Exception) -> None:
+        request = self._requests.pop(request_id, None)
+        if request is None:
+            return
+        self.scheduler.finish(request.seq, "abort")
+        self.sampler.forget(request_id)
+        _deliver(request, RuntimeError(f"generation failed: {exc}"))
+
+
+def _deliver(request: _Request, item: RequestOutput | BaseException) -> None:
+    try:
+        request.loop.call_soon_threadsafe(request.outputs.put_nowait, item)
+    except RuntimeError:  # the caller's event loop is gone; nobody is listening any more
+        pass

@@ -1,0 +1,273 @@
+"""Runs the model for a scheduled batch: device buffers, the paged KV cache, and CUDA graphs for decode.
+
+Start-up order (each step allocates through the logged allocator, so the order is fixed):
+weights -> rope table -> static decode buffers -> KV cache -> graph pool (captured or restored graphs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Protocol
+
+import torch
+
+from runtime.engine.allocator import DeviceAllocator
+from runtime.engine.block_manager import BlockManager
+from runtime.engine.engine_config import EngineConfig
+from runtime.engine.layers.attention import AttentionMetadata
+from runtime.engine.layers.rotary import cos_sin_table, inverse_frequencies
+from runtime.engine.model_config import ModelConfig
+from runtime.engine.models.llama import LlamaForCausalLM, bind_weights
+from runtime.engine.scheduler import ScheduledBatch
+from runtime.engine.weight_plan import DTYPES, WeightPlan, tensor_views
+
+PREFILL_BLOCK_Q = 16
+
+
+@dataclass(frozen=True)
+class KVProfile:
+    """What the profiling forward found; recorded at bake time so boot can skip it."""
+
+    num_blocks: int
+    block_bytes: int
+    peak_activation_bytes: int
+    free_bytes_after_profile: int
+    total_bytes: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class Replayable(Protocol):
+    def replay(self) -> None: ...
+
+
+@dataclass
+class DecodeBuffers:
+    """Static inputs and outputs of the decode CUDA graphs (views of logged allocations)."""
+
+    input_ids: torch.Tensor     # [max_bs] int64
+    positions: torch.Tensor     # [max_bs] int64
+    slot_mapping: torch.Tensor  # [max_bs] int64
+    seq_lens: torch.Tensor      # [max_bs] int32
+    block_tables: torch.Tensor  # [max_bs, max_blocks] int32
+    arange: torch.Tensor        # [max_bs + 1] int32: query_start_loc, tile_seq and tile_q_start of a decode batch
+    logits: torch.Tensor        # [max_bs, vocab] model dtype
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, model_config: ModelConfig, config: EngineConfig,
+                 max_model_len: int) -> None:
+        self.model = model
+        self.model_config = model_config
+        self.config = config
+        self.device = torch.device(config.device)
+        self.dtype = DTYPES[config.dtype]
+        self.allocator = DeviceAllocator(self.device)
+        self.max_model_len = max_model_len
+        self.max_blocks_per_seq = -(-max_model_len // config.block_size)
+        self.reserved_blocks = 1 if config.use_cuda_graphs else 0
+        sizes = [bs for bs in config.cuda_graph_batch_sizes if bs <= config.max_num_seqs]
+        self.graph_batch_sizes: list[int] = sorted(sizes) if config.use_cuda_graphs else []
+        self.graphs: dict[int, Replayable] = {}
+        self.graph_pool = None
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.num_kv_blocks = 0
+        self.cos_sin: torch.Tensor | None = None
+        self.decode: DecodeBuffers | None = None
+
+    # -- allocation, in start-up order -------------------------------------------------------------
+
+    def allocate_weights(self, plan: WeightPlan) -> torch.Tensor:
+        buffer = self.allocator.alloc("weights", plan.total_bytes)
+        bind_weights(self.model, tensor_views(buffer, plan))
+        return buffer
+
+    def allocate_static(self) -> None:
+        c = self.model_config
+        table = cos_sin_table(self.max_model_len, inverse_frequencies(c.head_dim, c.rope_theta, c.rope_scaling))
+        self.cos_sin = self.allocator.alloc_tensor("rope_cos_sin", tuple(table.shape), torch.float32)
+        self.cos_sin.copy_(table)
+        if self.graph_batch_sizes:
+            self.decode = self._allocate_decode_buffers(max(self.graph_batch_sizes))
+
+    def _allocate_decode_buffers(self, max_bs: int) -> DecodeBuffers:
+        alloc = self.allocator.alloc_tensor
+        buffers = DecodeBuffers(
+            input_ids=alloc("decode_input_ids", (max_bs,), torch.int64),
+            positions=alloc("decode_positions", (max_bs,), torch.int64),
+            slot_mapping=alloc("decode_slot_mapping", (max_bs,), torch.int64),
+            seq_lens=alloc("decode_seq_lens", (max_bs,), torch.int32),
+            block_tables=alloc("decode_block_tables", (max_bs, self.max_blocks_per_seq), torch.int32),
+            arange=alloc("decode_arange", (max_bs + 1,), torch.int32),
+            logits=alloc("decode_logits", (max_bs, self.model_config.vocab_size), self.dtype),
+        )
+        buffers.arange.copy_(torch.arange(max_bs + 1, dtype=torch.int32))
+        for t in (buffers.input_ids, buffers.positions, buffers.slot_mapping, buffers.block_tables):
+            t.zero_()
+        buffers.seq_lens.fill_(1)
+        return buffers
+
+    @property
+    def kv_block_bytes(self) -> int:
+        c = self.model_config
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return c.num_layers * 2 * self.config.block_size * c.num_kv_heads * c.head_dim * itemsize
+
+    def allocate_kv(self, num_blocks: int) -> None:
+        c = self.model_config
+        shape = (c.num_layers, 2, num_blocks, self.config.block_size, c.num_kv_heads, c.head_dim)
+        kv = self.allocator.alloc_tensor("kv_cache", shape, self.dtype)
+        self.kv_caches = [(kv[i, 0], kv[i, 1]) for i in range(c.num_layers)]
+        self.num_kv_blocks = num_blocks
+
+    def cpu_kv_blocks(self) -> int:
+        fit = self.config.cpu_kv_cache_bytes // self.kv_block_bytes
+        wanted = self.config.max_num_seqs * self.max_blocks_per_seq
+        return int(max(self.max_blocks_per_seq, min(fit, wanted)))
+
+    # -- profiling and graphs (cuda) ---------------------------------------------------------------
+
+    @torch.inference_mode()
+    def profile_kv_blocks(self) -> KVProfile:
+        """Run the largest step the scheduler may produce and size the KV cache from what is left."""
+        tokens = max(self.config.max_num_batched_tokens, self.max_model_len)
+        num_seqs = min(self.config.max_num_seqs, tokens)
+        lengths = [tokens // num_seqs + (1 if i < tokens % num_seqs else 0) for i in range(num_seqs)]
+        lengths = [min(n, self.max_model_len) for n in lengths]
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        blocks = sum(-(-n // self.config.block_size) for n in lengths)
+        c = self.model_config
+        scratch = torch.empty((c.num_layers, 2, blocks, self.config.block_size, c.num_kv_heads, c.head_dim),
+                              dtype=self.dtype, device=self.device)
+        saved, self.kv_caches = self.kv_caches, [(scratch[i, 0], scratch[i, 1]) for i in range(c.num_layers)]
+        try:
+            tables, first = [], 0
+            for n in lengths:
+                count = -(-n // self.config.block_size)
+                tables.append(list(range(first, first + count)))
+                first += count
+            logits = self._forward_eager(
+                [0] * sum(lengths), [p for n in lengths for p in range(n)],
+                [t[p // self.config.block_size] * self.config.block_size + p % self.config.block_size
+                 for t, n in zip(tables, lengths) for p in range(n)],
+                lengths, [n for n in lengths], tables)
+            torch.softmax(logits.float(), dim=-1)
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated() - before - scratch.numel() * scratch.element_size()
+        finally:
+            self.kv_caches = saved
+            del scratch
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        non_torch = (total - free) - torch.cuda.memory_reserved()
+        budget = total * self.config.gpu_memory_utilization - torch.cuda.memory_allocated() - peak - non_torch
+        num_blocks = int(budget // self.kv_block_bytes)
+        if num_blocks < self.max_blocks_per_seq + self.reserved_blocks:
+            raise RuntimeError(f"not enough GPU memory for the KV cache of one {self.max_model_len}-token sequence "
+                               f"({num_blocks} blocks fit); lower MAX_MODEL_LEN or raise GPU_MEMORY_UTILIZATION")
+        return KVProfile(num_blocks, self.kv_block_bytes, int(peak), int(free), int(total))
+
+    @torch.inference_mode()
+    def capture_graphs(self, keep_graphs: bool = False) -> None:
+        """Capture one decode graph per batch size, largest first, all sharing one memory pool."""
+        for bs in sorted(self.graph_batch_sizes, reverse=True):
+            self._graph_forward(bs)  # warm-up: cuBLAS and Triton set themselves up outside the capture
+            graph = torch.cuda.CUDAGraph(keep_graph=keep_graphs)
+            with torch.cuda.graph(graph, pool=self.graph_pool):
+                self._graph_forward(bs)
+            if keep_graphs:
+                graph.instantiate()
+            self.graph_pool = graph.pool()
+            self.graphs[bs] = graph
+        torch.cuda.synchronize()
+
+    def _graph_forward(self, bs: int) -> None:
+        d = self.decode
+        meta = AttentionMetadata(
+            slot_mapping=d.slot_mapping[:bs], query_start_loc=d.arange[:bs + 1], seq_lens=d.seq_lens[:bs],
+            block_tables=d.block_tables[:bs], tile_seq=d.arange[:bs], tile_q_start=d.arange[:bs], block_q=1)
+        hidden = self.model(d.input_ids[:bs], d.positions[:bs], meta, self.kv_caches, self.cos_sin)
+        self.model.compute_logits(hidden, out=d.logits[:bs])
+
+    @torch.inference_mode()
+    def run_first_layers(self, batch_size: int, num_layers: int = 1) -> None:
+        """An eager decode step through the first layers only: loads the kernel modules a full step uses."""
+        d = self.decode
+        meta = AttentionMetadata(
+            slot_mapping=d.slot_mapping[:batch_size], query_start_loc=d.arange[:batch_size + 1],
+            seq_lens=d.seq_lens[:batch_size], block_tables=d.block_tables[:batch_size],
+            tile_seq=d.arange[:batch_size], tile_q_start=d.arange[:batch_size], block_q=1)
+        hidden = self.model(d.input_ids[:batch_size], d.positions[:batch_size], meta, self.kv_caches,
+                            self.cos_sin, num_layers=num_layers)
+        self.model.compute_logits(hidden, out=d.logits[:batch_size])
+
+    # -- execution ---------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch, blocks: BlockManager) -> torch.Tensor:
+        """Logits of the next token of every scheduled sequence, [B, vocab]."""
+        ids, positions, slots, query_lens, seq_lens, tables = [], [], [], [], [], []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            start = seq.num_computed_tokens
+            ids.extend([seq.last_token] if n == 1 else seq.token_ids()[start:start + n])
+            positions.extend(range(start, start + n))
+            slots.extend(blocks.slot(seq, p) for p in range(start, start + n))
+            query_lens.append(n)
+            seq_lens.append(start + n)
+            tables.append(seq.block_table)
+        graph_bs = self._graph_size(len(batch.seqs)) if batch.is_decode else None
+        if graph_bs is None:
+            return self._forward_eager(ids, positions, slots, query_lens, seq_lens, tables)
+        return self._forward_graph(graph_bs, ids, positions, slots, seq_lens, tables)
+
+    def _graph_size(self, n: int) -> int | None:
+        for bs in self.graph_batch_sizes:
+            if bs >= n and bs in self.graphs:
+                return bs
+        return None
+
+    def _forward_graph(self, bs, ids, positions, slots, seq_lens, tables) -> torch.Tensor:
+        n, d = len(ids), self.decode
+        pad = bs - n
+        table = torch.zeros((bs, self.max_blocks_per_seq), dtype=torch.int32)
+        for i, row in enumerate(tables):
+            table[i, :len(row)] = torch.tensor(row, dtype=torch.int32)
+        d.input_ids[:bs].copy_(torch.tensor(ids + [0] * pad), non_blocking=True)
+        d.positions[:bs].copy_(torch.tensor(positions + [0] * pad), non_blocking=True)
+        d.slot_mapping[:bs].copy_(torch.tensor(slots + [0] * pad), non_blocking=True)
+        d.seq_lens[:bs].copy_(torch.tensor(seq_lens + [1] * pad, dtype=torch.int32), non_blocking=True)
+        d.block_tables[:bs].copy_(table, non_blocking=True)
+        self.graphs[bs].replay()
+        return d.logits[:n]
+
+    def _forward_eager(self, ids, positions, slots, query_lens, seq_lens, tables) -> torch.Tensor:
+        dev = self.device
+        starts = [0]
+        for n in query_lens:
+            starts.append(starts[-1] + n)
+        block_q = 1 if max(query_lens) == 1 else PREFILL_BLOCK_Q
+        tile_seq, tile_start = [], []
+        for i, n in enumerate(query_lens):
+            for s in range(starts[i], starts[i + 1], block_q):
+                tile_seq.append(i)
+                tile_start.append(s)
+        width = max(len(t) for t in tables)
+        table = torch.zeros((len(tables), width), dtype=torch.int32)
+        for i, row in enumerate(tables):
+            table[i, :len(row)] = torch.tensor(row, dtype=torch.int32)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32).to(dev, non_blocking=True),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
+            block_tables=table.to(dev, non_blocking=True),
+            tile_seq=torch.tensor(tile_seq, dtype=torch.int32).to(dev, non_blocking=True),
+            tile_q_start=torch.tensor(tile_start, dtype=torch.int32).to(dev, non_blocking=True),
+            block_q=block_q, query_start_loc_cpu=starts, seq_lens_cpu=list(seq_lens))
+        hidden = self.model(torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True),
+                            torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True),
+                            meta, self.kv_caches, self.cos_sin)
+        last = torch.tensor([s - 1 for s in starts[1:]], dtype=torch.int64).to(dev, non_blocking=True)
+        return self.model.compute_logits(hidden[last])

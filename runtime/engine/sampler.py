@@ -1,0 +1,108 @@
+"""Turns each sequence's next-token logits into a token: penalties, greedy or temperature / top-k / top-p
+sampling with a per-request seed, and the log-probabilities the request asked for."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from runtime.engine.sequence import Sequence
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: float | None = None
+    top: list[tuple[int, float]] | None = None   # (token id, logprob), most likely first
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self._request_generators: dict[str, torch.Generator] = {}
+
+    def forget(self, request_id: str) -> None:
+        self._request_generators.pop(request_id, None)
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
+        logits = logits.float()
+        logprobs = torch.log_softmax(logits, dim=-1) if any(s.params.logprobs is not None for s in seqs) else None
+        logits = self._apply_penalties(logits, seqs)
+        tokens = logits.argmax(dim=-1)
+        sampled_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        if sampled_rows:
+            rows = torch.tensor(sampled_rows, device=logits.device)
+            tokens[rows] = self._sample(logits[rows], [seqs[i] for i in sampled_rows])
+        token_list = tokens.tolist()
+        results = [SampledToken(t) for t in token_list]
+        if logprobs is not None:
+            self._attach_logprobs(results, logprobs, tokens, seqs)
+        return results
+
+    def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        for i, seq in enumerate(seqs):
+            p = seq.params
+            if p.repetition_penalty != 1.0:
+                seen = torch.tensor(sorted(set(seq.token_ids())), device=logits.device)
+                row = logits[i, seen]
+                logits[i, seen] = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+            if (p.presence_penalty or p.frequency_penalty) and seq.output_ids:
+                counts = torch.bincount(torch.tensor(seq.output_ids, device=logits.device),
+                                        minlength=logits.shape[1])[: logits.shape[1]].float()
+                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+        return logits
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        temps = torch.tensor([s.params.temperature or 1.0 for s in seqs], device=logits.device)
+        logits = logits / temps[:, None]
+        top_k = [s.params.top_k if s.params.top_k > 0 else 0 for s in seqs]
+        top_p = [s.params.top_p for s in seqs]
+        if any(top_k) or any(p < 1.0 for p in top_p):
+            logits = _mask_top_k_top_p(logits, top_k, top_p)
+        probs = torch.softmax(logits, dim=-1)
+        # Sampling by the exponential race (argmax of p / Exp(1)) lets each request draw its noise from its
+        # own seeded generator, so a seeded request gets the same tokens whatever else shares its batch.
+        noise = torch.empty_like(probs)
+        for i, seq in enumerate(seqs):
+            noise[i].exponential_(generator=self._generator_for(seq))
+        return (probs / noise).argmax(dim=-1)
+
+    def _generator_for(self, seq: Sequence) -> torch.Generator:
+        if seq.params.seed is None:
+            return self.generator
+        gen = self._request_generators.get(seq.request_id)
+        if gen is None:
+            gen = torch.Generator(device=self.device).manual_seed(seq.params.seed)
+            self._request_generators[seq.request_id] = gen
+        return gen
+
+    @staticmethod
+    def _attach_logprobs(results: list[SampledToken], logprobs: torch.Tensor, tokens: torch.Tensor,
+                         seqs: list[Sequence]) -> None:
+        chosen = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
+        most = max(s.params.logprobs or 0 for s in seqs)
+        top_values, top_ids = (logprobs.topk(most, dim=-1) if most else (None, None))
+        for i, seq in enumerate(seqs):
+            n = seq.params.logprobs
+            if n is None:
+                continue
+            results[i].logprob = chosen[i]
+            if n:
+                results[i].top = list(zip(top_ids[i, :n].tolist(), top_values[i, :n].tolist()))
+
+
+def _mask_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    k = torch.tensor([kk or vocab for kk in top_k], device=logits.device)[:, None]
+    drop = ranks >= k
+    probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
+    before = probs.cumsum(dim=-1) - probs          # probability mass strictly above each token
+    p = torch.tensor(top_p, device=logits.device)[:, None]
+    drop |= before >= p                            # the most likely token is always kept (before == 0)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
