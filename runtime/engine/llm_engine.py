@@ -201,11 +201,19 @@ class Engine:
                            self.blocks.num_used, self.blocks.num_blocks)
 
     def shutdown(self) -> None:
+        """Stop the step loop and give the device memory back (the engine cannot be started again)."""
         if self._thread is not None:
             self._inbox.put(("stop", None))
             self._thread.join(timeout=10)
             self._thread = None
         self.ready = False
+        self.runner = None
+        self.model = build_on_meta(self.model_config)  # drop the parameters' views of the weight buffer
+        if self.config.device == "cuda":
+            import gc
+
+            gc.collect()
+            torch.cuda.empty_cache()
 
     def _check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if not prompt_ids:

@@ -10,9 +10,10 @@ On disk: `graphs.json` (structure) and `params.bin` (all parameter buffers, 8-by
 from __future__ import annotations
 
 import base64
-import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+import orjson
 
 FORMAT_VERSION = 1
 
@@ -90,11 +91,11 @@ class GraphSet:
     def save(self, directory: Path, params: bytes) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         (directory / "params.bin").write_bytes(params)
-        (directory / "graphs.json").write_text(json.dumps(asdict(self), separators=(",", ":")))
+        (directory / "graphs.json").write_bytes(orjson.dumps(asdict(self), option=orjson.OPT_NON_STR_KEYS))
 
     @classmethod
     def load(cls, directory: Path) -> tuple["GraphSet", bytes]:
-        raw = json.loads((directory / "graphs.json").read_text())
+        raw = orjson.loads((directory / "graphs.json").read_bytes())
         if raw.get("version") != FORMAT_VERSION:
             raise ValueError(f"graph snapshot format {raw.get('version')} is not {FORMAT_VERSION}")
         graphs = [GraphRecord(g["batch_size"], [_node(n) for n in g["nodes"]]) for g in raw["graphs"]]

@@ -1,0 +1,118 @@
+"""Materialised state (Medusa): the KV-cache size and the decode CUDA graphs, baked once, restored at boot.
+
+Bake (`bake_materialized`, called by faas-build on the GPU): start the engine the cold way (profiling forward
+included), capture and describe the graphs, replay each on fixed inputs, then have a *separate process* boot
+from the description and replay the restored graphs on the same inputs. Only if every graph's output is
+bit-identical is the directory renamed into place; otherwise nothing is written and the reasons are returned.
+
+Layout of `<snapshot dir>/materialized/`: kvprofile.json, engine.json (what was baked), graphs.json,
+params.bin, segment-*.bin.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from runtime.engine.engine_config import EngineConfig
+from runtime.engine.model_runner import KVProfile
+from runtime.logs import get_logger
+
+log = get_logger("snapshots.materialized")
+
+DIRNAME = "materialized"
+
+
+class MaterializeError(RuntimeError):
+    pass
+
+
+@dataclass
+class BakeReport:
+    kv_blocks: int
+    graphs: int
+    capture_s: float
+    validated: bool
+    problems: dict[int, list[str]]
+
+
+def bake_materialized(model_dir: Path, config: EngineConfig, snapshot_dir: Path) -> BakeReport:
+    import time
+
+    from runtime.launch import build_engine
+    from snapshots.cudagraph.materialize import capture_and_describe
+    from snapshots.cudagraph.probe import probe_graphs
+
+    engine = build_engine(model_dir, config)
+    engine.start(capture_graphs=False)
+    runner = engine.runner
+    t0 = time.perf_counter()
+    materialized = capture_and_describe(runner)
+    capture_s = time.perf_counter() - t0
+    if materialized.problems:
+        engine.shutdown()
+        return BakeReport(runner.num_kv_blocks, 0, capture_s, False, materialized.problems)
+    expected = probe_graphs(runner)
+    final = snapshot_dir / DIRNAME
+    tmp = Path(tempfile.mkdtemp(prefix=f".{DIRNAME}-", dir=snapshot_dir))
+    try:
+        materialized.graph_set.save(tmp, materialized.params)
+        for ordinal, data in materialized.segment_contents.items():
+            (tmp / f"segment-{ordinal}.bin").write_bytes(data)
+        profile = engine.kv_profile or KVProfile(runner.num_kv_blocks, runner.kv_block_bytes, 0, 0, 0)
+        (tmp / "kvprofile.json").write_text(json.dumps(profile.as_dict(), indent=1))
+        (tmp / "engine.json").write_text(json.dumps({"model_dir": str(model_dir), "config": asdict(config)}))
+        engine.shutdown()
+        del engine, runner
+        restored = _validate_in_new_process(tmp)
+        differ = sorted(bs for bs, digest in expected.items() if restored.get(str(bs)) != digest)
+        if differ:
+            problems = {bs: ["restored graph's output differs from the captured graph's"] for bs in differ}
+            return BakeReport(profile.num_blocks, len(expected), capture_s, False, problems)
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        return BakeReport(profile.num_blocks, len(expected), capture_s, True, {})
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _validate_in_new_process(directory: Path) -> dict[str, str]:
+    result = subprocess.run([sys.executable, "-m", "snapshots.materialized", "--probe", str(directory)],
+                            capture_output=True, text=True, timeout=1800)
+    if result.returncode != 0:
+        raise MaterializeError(f"validation process failed: {result.stderr.strip().splitlines()[-1:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def load_kv_blocks(directory: Path) -> int:
+    return json.loads((directory / "kvprofile.json").read_text())["num_blocks"]
+
+
+def _probe(directory: Path) -> dict[int, str]:
+    """Boot from a materialised directory and fingerprint every restored graph's output."""
+    from runtime.launch import build_engine
+    from snapshots.cudagraph.probe import probe_graphs
+    from snapshots.cudagraph.restore import MaterializedGraphs
+
+    spec = json.loads((directory / "engine.json").read_text())
+    engine = build_engine(Path(spec["model_dir"]), EngineConfig(**{
+        **spec["config"], "cuda_graph_batch_sizes": tuple(spec["config"]["cuda_graph_batch_sizes"])}))
+    engine.start(kv_blocks=load_kv_blocks(directory), graph_restorer=MaterializedGraphs(directory))
+    if engine.graph_fallbacks:
+        raise MaterializeError(f"graphs not restored: {engine.graph_fallbacks}")
+    return probe_graphs(engine.runner)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--probe", type=Path, required=True)
+    digests = _probe(parser.parse_args().probe)
+    print(json.dumps({str(k): v for k, v in digests.items()}))
