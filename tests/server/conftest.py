@@ -35,7 +35,7 @@ def free_port() -> int:
 
 def server_env(**settings: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("AWS_LAMBDA_RUNTIME_API", "API_KEY", "HANDLER")}
-    env.update(PYTHONPATH=str(REPO), HOST="127.0.0.1", DEVICE="cpu", LOG_LEVEL="info", **settings)
+    env.update({"PYTHONPATH": str(REPO), "HOST": "127.0.0.1", "DEVICE": "cpu", "LOG_LEVEL": "info", **settings})
     return env
 
 
