@@ -105,10 +105,10 @@ class Engine:
         return engine
 
     def start(self, kv_blocks: int | None = None, graph_restorer: GraphRestorer | None = None,
-              profile_kv: bool = True, keep_graphs: bool = False) -> None:
+              capture_graphs: bool = True) -> None:
         """Device phase. With `kv_blocks` and `graph_restorer` (materialised state) the KV profile and the
         graph capture are skipped and overlap the weight stream; without them, like vLLM: load, then profile,
-        then capture."""
+        then capture. `capture_graphs=False` leaves the graphs to the caller (faas-build materialises them)."""
         t = self.timeline
         with t.stage(stages.CUDA_INIT, device=self.config.device):
             device = torch.device(self.config.device)
@@ -127,7 +127,7 @@ class Engine:
             weights_stage.__exit__(None, None, None)
         with t.stage(stages.KV_CACHE, materialized=materialized) as kv_stage:
             runner.allocate_static()
-            if kv_blocks is None and device.type == "cuda" and profile_kv:
+            if kv_blocks is None and device.type == "cuda":
                 self.kv_profile = runner.profile_kv_blocks()
                 kv_blocks = self.kv_profile.num_blocks
             elif kv_blocks is None:
@@ -136,7 +136,7 @@ class Engine:
                 kv_blocks = self.config.num_kv_blocks
             runner.allocate_kv(kv_blocks)
             kv_stage.detail["blocks"] = kv_blocks
-        if runner.graph_batch_sizes:
+        if runner.graph_batch_sizes and (capture_graphs or graph_restorer is not None):
             with t.stage(stages.CUDA_GRAPHS, restored=graph_restorer is not None) as graph_stage:
                 if graph_restorer is not None:
                     self.graph_fallbacks = graph_restorer.restore(runner)
@@ -146,7 +146,7 @@ class Engine:
                 if missing:
                     keep = runner.graph_batch_sizes
                     runner.graph_batch_sizes = missing
-                    runner.capture_graphs(keep_graphs=keep_graphs)
+                    runner.capture_graphs()
                     runner.graph_batch_sizes = keep
                 graph_stage.detail["graphs"] = len(runner.graphs)
         if materialized:

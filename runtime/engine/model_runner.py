@@ -7,7 +7,7 @@ weights -> rope table -> static decode buffers -> KV cache -> graph pool (captur
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -171,8 +171,10 @@ class ModelRunner:
         return KVProfile(num_blocks, self.kv_block_bytes, int(peak), int(free), int(total))
 
     @torch.inference_mode()
-    def capture_graphs(self, keep_graphs: bool = False) -> None:
-        """Capture one decode graph per batch size, largest first, all sharing one memory pool."""
+    def capture_graphs(self, keep_graphs: bool = False,
+                       on_captured: Callable[[int, torch.cuda.CUDAGraph], None] | None = None) -> None:
+        """Capture one decode graph per batch size, largest first, all sharing one memory pool.
+        `keep_graphs` keeps each graph's description readable (for materialisation)."""
         for bs in sorted(self.graph_batch_sizes, reverse=True):
             self._graph_forward(bs)  # warm-up: cuBLAS and Triton set themselves up outside the capture
             graph = torch.cuda.CUDAGraph(keep_graph=keep_graphs)
@@ -182,6 +184,8 @@ class ModelRunner:
                 graph.instantiate()
             self.graph_pool = graph.pool()
             self.graphs[bs] = graph
+            if on_captured is not None:
+                on_captured(bs, graph)
         torch.cuda.synchronize()
 
     def _graph_forward(self, bs: int) -> None:

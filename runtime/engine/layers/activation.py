@@ -5,9 +5,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from runtime.engine.layers.dispatch import use_kernels
+
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    if x.is_cuda:
+    if use_kernels(x):
         from runtime.engine.kernels.activation import silu_and_mul as kernel
 
         return kernel(x)

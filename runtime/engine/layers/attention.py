@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from runtime.engine.layers.dispatch import use_kernels
+
 
 @dataclass
 class AttentionMetadata:
@@ -43,7 +45,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [T, heads, head_dim] -> [T, heads, head_dim]."""
-    if q.is_cuda:
+    if use_kernels(q):
         from runtime.engine.kernels.paged_attention import paged_attention as kernel
 
         return kernel(q, k_cache, v_cache, meta, scale)

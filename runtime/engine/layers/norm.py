@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from runtime.engine.layers.dispatch import use_kernels
+
 
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
@@ -14,7 +16,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without `residual`: norm(x). With it: (norm(x + residual), x + residual), in place on cuda."""
-        if x.is_cuda:
+        if use_kernels(x):
             from runtime.engine.kernels.norm import rms_norm
 
             return rms_norm(x, self.weight, self.eps, residual)

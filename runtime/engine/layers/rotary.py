@@ -6,6 +6,7 @@ import math
 
 import torch
 
+from runtime.engine.layers.dispatch import use_kernels
 from runtime.engine.model_config import RopeScaling
 
 
@@ -34,7 +35,7 @@ def cos_sin_table(max_positions: int, inv_freq: torch.Tensor) -> torch.Tensor:
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
                  cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q: [T, heads, head_dim], k: [T, kv_heads, head_dim]. In place on cuda; new tensors on cpu."""
-    if q.is_cuda:
+    if use_kernels(q):
         from runtime.engine.kernels.rotary import rotary_inplace
 
         rotary_inplace(q, k, positions, cos_sin)

@@ -1,0 +1,136 @@
+"""Decode throughput on the GPU: the engine with and without CUDA graphs, beside transformers' generate.
+
+For each model shape (random bf16 weights of the real shape; the same weights in both), for each batch
+size: steady-state decode tokens/s, and for batch 1 the step time against the HBM roofline (weight bytes /
+3.35 TB/s on an H100 SXM). Prints one table and writes JSON.
+
+    python scripts/bench_decode.py --shapes qwen2-1.5b llama-3-8b --batch 1 8 32 64 --out decode.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from runtime.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
+from runtime.engine.weight_plan import tensor_views  # noqa: E402
+from scripts.model_shapes import SHAPES, write_config_and_tokenizer  # noqa: E402
+
+HBM_BYTES_PER_S = 3.35e12
+PROMPT_LEN = 128
+
+
+class _Ready:
+    def wait(self) -> None:
+        torch.cuda.synchronize()
+
+
+def copy_from(state: dict[str, torch.Tensor]):
+    def load(plan, buffer):
+        views = tensor_views(buffer, plan)
+        for t in plan.tensors:
+            for s in t.sources:
+                views[t.name][s.row:s.row + s.rows].copy_(state[s.name])
+        return _Ready()
+    return load
+
+
+def engine_decode_rate(engine: Engine, batch: int, steps: int) -> float:
+    prompts = [torch.randint(100, 1000, (PROMPT_LEN,)).tolist() for _ in range(batch)]
+
+    async def one(prompt, stamps):
+        async for _ in engine.generate(prompt, SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True)):
+            stamps.append(time.perf_counter())
+
+    async def run():
+        stamps = [[] for _ in range(batch)]
+        await asyncio.gather(*[one(p, s) for p, s in zip(prompts, stamps)])
+        return stamps
+
+    stamps = asyncio.run(run())[0]
+    step = statistics.median(b - a for a, b in zip(stamps[4:], stamps[5:]))
+    return batch / step
+
+
+def hf_decode_rate(model, batch: int, steps: int) -> float:
+    ids = torch.randint(100, 1000, (batch, PROMPT_LEN), device="cuda")
+    kwargs = dict(do_sample=False, pad_token_id=0)
+
+    def timed(n):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kwargs)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    timed(2)
+    return batch * (steps - 1) / (timed(steps) - timed(1))
+
+
+def bench_shape(name: str, batches: list[int], steps: int) -> list[dict]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = Path(tmp)
+        write_config_and_tokenizer(model_dir, SHAPES[name], dtype="bfloat16")
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.bfloat16).eval()
+        hf_rates = {b: hf_decode_rate(hf, b, steps) for b in batches}
+        engine = Engine.build(model_dir, copy_from(hf.state_dict()),
+                              EngineConfig(device="cuda", dtype="bfloat16", max_model_len=2048, max_num_seqs=256,
+                                           gpu_memory_utilization=0.6))
+        engine.start()
+        del hf
+        torch.cuda.empty_cache()
+        weight_bytes = engine.plan.total_bytes
+        graphs = {b: engine_decode_rate(engine, b, steps) for b in batches}
+        runner = engine.runner
+        sizes, runner.graph_batch_sizes = runner.graph_batch_sizes, []
+        eager = {b: engine_decode_rate(engine, b, steps) for b in batches}
+        runner.graph_batch_sizes = sizes
+        engine.shutdown()
+        for b in batches:
+            row = {"shape": name, "batch": b, "graphs_tok_s": graphs[b], "eager_tok_s": eager[b],
+                   "transformers_tok_s": hf_rates[b], "graphs_vs_eager": graphs[b] / eager[b],
+                   "graphs_vs_transformers": graphs[b] / hf_rates[b]}
+            if b == 1:
+                roofline_s = weight_bytes / HBM_BYTES_PER_S
+                row["step_ms"] = 1e3 / graphs[b]
+                row["roofline_ms"] = roofline_s * 1e3
+                row["roofline_fraction"] = roofline_s * graphs[b]
+            rows.append(row)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=["qwen2-1.5b", "llama-3-8b"])
+    parser.add_argument("--batch", nargs="+", type=int, default=[1, 8, 32, 64])
+    parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    rows = [r for shape in args.shapes for r in bench_shape(shape, args.batch, args.steps)]
+    print(f"\n{'shape':<12} {'batch':>5} {'graphs tok/s':>13} {'eager tok/s':>12} {'hf tok/s':>10} "
+          f"{'g/eager':>8} {'g/hf':>6} {'step ms':>8} {'roofline':>9}")
+    for r in rows:
+        extra = f"{r['step_ms']:8.2f} {r['roofline_fraction']:8.0%}" if "step_ms" in r else ""
+        print(f"{r['shape']:<12} {r['batch']:>5} {r['graphs_tok_s']:>13.0f} {r['eager_tok_s']:>12.0f} "
+              f"{r['transformers_tok_s']:>10.0f} {r['graphs_vs_eager']:>8.2f} {r['graphs_vs_transformers']:>6.2f} {extra}")
+    if args.out:
+        args.out.write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()

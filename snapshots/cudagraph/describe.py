@@ -1,0 +1,123 @@
+"""Read a captured CUDA graph into its materialised description (bake time, on the GPU).
+
+Kernel parameters are read as one raw buffer laid out as the kernel expects it, whether the launch passed
+them one by one (kernelParams: PyTorch, Triton) or as one packed struct (extra: cuBLAS's nvjet kernels, whose
+struct holds device pointers inside it), so relocation looks at every aligned word either way.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass, field
+
+from snapshots.cudagraph import driver as cu
+from snapshots.cudagraph.records import (ALLOC, EmptyNode, GraphRecord, KernelNode, MemsetNode, Node, Relocation,
+                                        encode_attribute)
+from snapshots.cudagraph.relocate import RegionIndex
+
+
+@dataclass
+class Description:
+    record: GraphRecord
+    problems: list[str] = field(default_factory=list)  # why this graph cannot be restored, if anything
+
+
+def describe_graph(graph: int, batch_size: int, regions: RegionIndex, blob: bytearray) -> Description:
+    """Append the graph's parameter buffers to `blob` and return its nodes in topological order."""
+    handles = topological_order(graph)
+    position = {h: i for i, h in enumerate(handles)}
+    nodes: list[Node] = []
+    problems: list[str] = []
+    for handle in handles:
+        deps = [position[d] for d in cu.node_dependencies(handle)]
+        kind = cu.node_type(handle)
+        if kind == cu.NODE_KERNEL:
+            nodes.append(_kernel_node(handle, deps, regions, blob, problems))
+        elif kind == cu.NODE_MEMSET:
+            nodes.append(_memset_node(handle, deps, regions, problems))
+        elif kind == cu.NODE_EMPTY:
+            nodes.append(EmptyNode(deps))
+        else:
+            problems.append(f"unsupported {cu.NODE_TYPE_NAMES.get(kind, kind)} node")
+            nodes.append(EmptyNode(deps))
+    return Description(GraphRecord(batch_size, nodes), problems)
+
+
+def topological_order(graph: int) -> list[int]:
+    handles = cu.graph_nodes(graph)
+    deps = {h: cu.node_dependencies(h) for h in handles}
+    done: set[int] = set()
+    order: list[int] = []
+    pending = list(handles)
+    while pending:
+        ready = [h for h in pending if all(d in done for d in deps[h])]
+        if not ready:
+            raise cu.CudaError("graph has a dependency cycle")
+        for h in ready:
+            order.append(h)
+            done.add(h)
+        pending = [h for h in pending if h not in done]
+    return order
+
+
+def kernel_function(params: cu.KernelNodeParams) -> int:
+    return params.func or cu.kernel_function(params.kern)
+
+
+def parameter_buffer(params: cu.KernelNodeParams, func: int) -> bytes:
+    if params.kernelParams:
+        layout = cu.function_param_layout(func)
+        size = max((offset + n for offset, n in layout), default=0)
+        buffer = bytearray(size)
+        for i, (offset, n) in enumerate(layout):
+            buffer[offset:offset + n] = ctypes.string_at(params.kernelParams[i], n)
+        return bytes(buffer)
+    if params.extra:
+        pointer, size, i = None, None, 0
+        while params.extra[i] != cu.LAUNCH_PARAM_END:
+            key, value = params.extra[i], params.extra[i + 1]
+            if key == cu.LAUNCH_PARAM_BUFFER_POINTER:
+                pointer = value
+            elif key == cu.LAUNCH_PARAM_BUFFER_SIZE:
+                size = ctypes.c_size_t.from_address(value).value
+            i += 2
+        if pointer is None or size is None:
+            raise cu.CudaError("kernel node's extra[] has no parameter buffer")
+        return ctypes.string_at(pointer, size)
+    return b""
+
+
+def _kernel_node(handle: int, deps: list[int], regions: RegionIndex, blob: bytearray,
+                 problems: list[str]) -> KernelNode:
+    params = cu.kernel_node_params(handle)
+    func = kernel_function(params)
+    name = cu.function_name(func)
+    buffer = parameter_buffer(params, func)
+    relocations = regions.relocations(buffer)
+    for offset, value in regions.unmatched_words(buffer):
+        if cu.device_range(value) is not None:
+            problems.append(f"{name[:60]}: parameter word at byte {offset} points to device memory the engine "
+                            "did not allocate")
+    attributes = {}
+    for attribute in cu.KERNEL_NODE_ATTRIBUTES:
+        raw = cu.kernel_node_attribute(handle, attribute)
+        if raw is not None and any(raw):
+            attributes[attribute] = encode_attribute(raw)
+    offset = len(blob)
+    blob.extend(buffer)
+    blob.extend(b"\0" * (-len(blob) % 8))
+    return KernelNode(name, (params.gridDimX, params.gridDimY, params.gridDimZ),
+                      (params.blockDimX, params.blockDimY, params.blockDimZ), params.sharedMemBytes,
+                      offset, len(buffer), relocations, attributes, deps)
+
+
+def _memset_node(handle: int, deps: list[int], regions: RegionIndex, problems: list[str]) -> MemsetNode:
+    p = cu.memset_node_params(handle)
+    hit = regions.resolve(p.dst)
+    if hit is None:
+        problems.append("memset into device memory the engine did not allocate")
+        dst = Relocation(0, ALLOC, -1, 0)
+    else:
+        region, delta = hit
+        dst = Relocation(0, region.kind, region.index, delta)
+    return MemsetNode(dst, p.value, p.elementSize, p.width, p.height, p.pitch, deps)

@@ -1,0 +1,42 @@
+"""Kernel names to this process's function handles (Medusa 5.2, "triggering kernels").
+
+Handles differ per process and many kernels (cuBLAS's) are in no symbol table. Running the first decoder
+layer (plus the final norm and lm_head) once per batch size loads every module a full decode step uses —
+lazily loaded PyTorch modules, cuBLAS's choices for each shape, the Triton kernels from the baked cache —
+and capturing that small forward shows which handle each name has. Names still missing after that are
+looked up among all functions of the modules already found.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from runtime.engine.model_runner import ModelRunner
+from snapshots.cudagraph import driver as cu
+from snapshots.cudagraph.describe import kernel_function
+
+
+def resolve_kernels(runner: ModelRunner, batch_sizes: list[int], names: set[str]) -> dict[str, int]:
+    handles: dict[str, int] = {}
+    with torch.inference_mode():
+        for bs in batch_sizes:
+            runner.run_first_layers(bs)
+        pool = None
+        for bs in batch_sizes:
+            graph = torch.cuda.CUDAGraph(keep_graph=True)
+            with torch.cuda.graph(graph, pool=pool):
+                runner.run_first_layers(bs)
+            pool = graph.pool()
+            for node in cu.graph_nodes(graph.raw_cuda_graph()):
+                if cu.node_type(node) == cu.NODE_KERNEL:
+                    func = kernel_function(cu.kernel_node_params(node))
+                    handles.setdefault(cu.function_name(func), func)
+            del graph
+    missing = names - handles.keys()
+    if missing:
+        for module in {cu.function_module(f) for f in handles.values()}:
+            for func in cu.module_functions(module):
+                name = cu.function_name(func)
+                if name in missing:
+                    handles[name] = func
+    return handles

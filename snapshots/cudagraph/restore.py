@@ -1,0 +1,154 @@
+"""Rebuild the decode CUDA graphs in a fresh process from their materialised description (Medusa 5).
+
+Order: check that the engine allocated the same buffers in the same order, recreate the scratch segments,
+write this process's addresses into every relocated parameter word (one vectorised pass over params.bin),
+resolve kernel names to handles, then add the nodes and instantiate each graph. None of it needs the
+weights' values, so it runs while they are still streaming in.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from ctypes import POINTER, c_size_t, c_void_p
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from runtime.engine.model_runner import ModelRunner
+from runtime.logs import get_logger
+from snapshots.cudagraph import driver as cu
+from snapshots.cudagraph.kernels import resolve_kernels
+from snapshots.cudagraph.records import (ALLOC, SEGMENT, EmptyNode, GraphRecord, GraphSet, KernelNode,
+                                         MemsetNode, Relocation, decode_attribute)
+
+log = get_logger("snapshots.cudagraph")
+
+
+class RestoredGraph:
+    """A graph rebuilt from its description; replays on the current stream like torch's CUDAGraph."""
+
+    def __init__(self, graph: int, graph_exec: int) -> None:
+        self.graph, self.graph_exec = graph, graph_exec
+
+    def replay(self) -> None:
+        cu.launch(self.graph_exec, torch.cuda.current_stream().cuda_stream)
+
+    def __del__(self) -> None:
+        if cu._lib is not None:
+            cu.destroy_graph_exec(self.graph_exec)
+            cu.destroy_graph(self.graph)
+
+
+class MaterializedGraphs:
+    """The engine's GraphRestorer for a graph snapshot directory (see runtime/engine/llm_engine.py)."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        self.segments: list[torch.Tensor] = []  # scratch memory the restored graphs point into; kept alive
+        self.timings: dict[str, float] = {}
+
+    def restore(self, runner: ModelRunner) -> dict[int, str]:
+        import time
+
+        t0 = time.perf_counter()
+        graph_set, params = GraphSet.load(self.directory)
+        wanted = [g for g in graph_set.graphs if g.batch_size in runner.graph_batch_sizes]
+        mismatch = allocation_mismatch(graph_set, runner)
+        if mismatch:
+            return {g.batch_size: mismatch for g in wanted}
+        bases = {(ALLOC, a.index): a.ptr for a in runner.allocator.log}
+        for segment in graph_set.segments:
+            memory = torch.empty(segment.size, dtype=torch.uint8, device=runner.device)
+            if segment.contents:
+                cu.copy_to_device(memory.data_ptr(), (self.directory / segment.contents).read_bytes())
+            self.segments.append(memory)
+            bases[(SEGMENT, segment.ordinal)] = memory.data_ptr()
+        blob = patch_parameters(params, wanted, bases)
+        t1 = time.perf_counter()
+        handles = resolve_kernels(runner, [g.batch_size for g in wanted], set(graph_set.kernel_names))
+        t2 = time.perf_counter()
+        fallbacks = {}
+        blob_address = blob.ctypes.data
+        for record in wanted:
+            try:
+                runner.graphs[record.batch_size] = build_graph(record, blob_address, handles, bases)
+            except KeyError as missing:
+                fallbacks[record.batch_size] = f"kernel {str(missing)[:80]} is not loaded in this process"
+            except cu.CudaError as exc:
+                fallbacks[record.batch_size] = str(exc)
+        torch.cuda.synchronize()
+        self.timings = {"load_and_patch_s": t1 - t0, "kernels_s": t2 - t1, "build_s": time.perf_counter() - t2}
+        return fallbacks
+
+
+def allocation_mismatch(graph_set: GraphSet, runner: ModelRunner) -> str | None:
+    now = [(a.name, a.nbytes) for a in runner.allocator.log]
+    then = [tuple(a) for a in graph_set.allocations]
+    if now != then:
+        first = next((i for i, (a, b) in enumerate(zip(now, then)) if a != b), min(len(now), len(then)))
+        return (f"the engine's allocations differ from the snapshot's at #{first} "
+                f"({now[first] if first < len(now) else None} vs {then[first] if first < len(then) else None})")
+    return None
+
+
+def patch_parameters(params: bytes, graphs: list[GraphRecord], bases: dict[tuple[str, int], int]) -> np.ndarray:
+    """A copy of params.bin with every relocated word rewritten to this process's address."""
+    blob = np.frombuffer(params, dtype=np.uint8).copy()
+    words = blob.view(np.uint64)
+    offsets, values = [], []
+    for record in graphs:
+        for node in record.nodes:
+            if isinstance(node, KernelNode):
+                for r in node.relocations:
+                    offsets.append((node.params_offset + r.offset) // 8)
+                    values.append(bases[(r.kind, r.index)] + r.delta)
+    if offsets:
+        words[np.array(offsets, dtype=np.int64)] = np.array(values, dtype=np.uint64)
+    return blob
+
+
+def build_graph(record: GraphRecord, blob_address: int, handles: dict[str, int],
+                bases: dict[tuple[str, int], int]) -> RestoredGraph:
+    graph = cu.create_graph()
+    try:
+        nodes: list[int] = []
+        attributes: dict[str, bytes] = {}
+        for node in record.nodes:
+            deps = (c_void_p * max(len(node.deps), 1))(*[nodes[i] for i in node.deps])
+            if isinstance(node, KernelNode):
+                nodes.append(_add_kernel(graph, deps, node, blob_address, handles, attributes))
+            elif isinstance(node, MemsetNode):
+                nodes.append(cu.add_memset_node(graph, deps, len(node.deps), _memset_params(node, bases)))
+            elif isinstance(node, EmptyNode):
+                nodes.append(cu.add_empty_node(graph, deps, len(node.deps)))
+        return RestoredGraph(graph, cu.instantiate(graph))
+    except BaseException:
+        cu.destroy_graph(graph)
+        raise
+
+
+def _add_kernel(graph, deps, node: KernelNode, blob_address: int, handles: dict[str, int],
+                attributes: dict[str, bytes]) -> int:
+    params = cu.KernelNodeParams(func=handles[node.name], gridDimX=node.grid[0], gridDimY=node.grid[1],
+                                 gridDimZ=node.grid[2], blockDimX=node.block[0], blockDimY=node.block[1],
+                                 blockDimZ=node.block[2], sharedMemBytes=node.shared_mem)
+    size = c_size_t(node.params_size)
+    if node.params_size:
+        # One packed buffer per kernel, whatever way it was launched: the driver copies it at node creation.
+        extra = (c_void_p * 5)(cu.LAUNCH_PARAM_BUFFER_POINTER, blob_address + node.params_offset,
+                               cu.LAUNCH_PARAM_BUFFER_SIZE, ctypes.addressof(size), cu.LAUNCH_PARAM_END)
+        params.extra = ctypes.cast(extra, POINTER(c_void_p))
+    handle = cu.add_kernel_node(graph, deps, len(node.deps), params)
+    for attribute, encoded in node.attributes.items():
+        raw = attributes.get(encoded)
+        if raw is None:
+            raw = attributes[encoded] = decode_attribute(encoded)
+        cu.set_kernel_node_attribute(handle, attribute, raw)
+    return handle
+
+
+def _memset_params(node: MemsetNode, bases: dict[tuple[str, int], int]) -> cu.MemsetNodeParams:
+    dst: Relocation = node.dst
+    return cu.MemsetNodeParams(dst=bases[(dst.kind, dst.index)] + dst.delta, pitch=node.pitch, value=node.value,
+                               elementSize=node.element_size, width=node.width, height=node.height)

@@ -1,0 +1,181 @@
+"""The engine against Hugging Face transformers, and the behaviour of batching, preemption, abort and stops."""
+
+import asyncio
+
+import pytest
+import torch
+
+from runtime.engine import InvalidParams, SamplingParams
+from runtime.engine.detokenizer import OutputText
+from runtime.engine.model_config import ModelConfig, UnsupportedModel
+
+PRESETS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3"]
+PROMPTS = [[1 + i, 5, 9, 33 + i, 100, 7, 250][: 2 + i % 5] * (1 + i) for i in range(8)]  # 2..48 tokens
+
+
+async def collect(engine, prompt, **params):
+    params.setdefault("ignore_eos", True)
+    outs = [o async for o in engine.generate(prompt, SamplingParams(**params))]
+    return outs
+
+
+def tokens(outs):
+    return [t for o in outs for t in o.token_ids]
+
+
+def hf_greedy(model_dir, prompt, n):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, len(prompt):].tolist(), model
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_greedy_matches_transformers_single_and_concurrent(preset, tiny_model, engine_factory):
+    model_dir = tiny_model(preset)
+    engine = engine_factory(model_dir)
+    expected = [hf_greedy(model_dir, p, 16)[0] for p in PROMPTS]
+
+    single = asyncio.run(collect(engine, PROMPTS[3], max_tokens=16, temperature=0))
+    assert tokens(single) == expected[3]
+
+    async def all_at_once():
+        return await asyncio.gather(*[collect(engine, p, max_tokens=16, temperature=0) for p in PROMPTS])
+
+    assert [tokens(o) for o in asyncio.run(all_at_once())] == expected
+    assert engine.stats().kv_blocks_used == 0
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_logprobs_match_transformers_logits(preset, tiny_model, engine_factory):
+    model_dir = tiny_model(preset)
+    engine = engine_factory(model_dir)
+    prompt = PROMPTS[5]
+    outs = asyncio.run(collect(engine, prompt, max_tokens=4, temperature=0, logprobs=5))
+    generated, model = hf_greedy(model_dir, prompt, 4)
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([prompt + generated])).logits[0].float(), dim=-1)
+    for step, out in enumerate(outs):
+        row = ref[len(prompt) - 1 + step]
+        (lp,) = out.logprobs
+        assert lp.token_id == generated[step]
+        assert lp.logprob == pytest.approx(row[lp.token_id].item(), abs=1e-4)  # stated tolerance: 1e-4 (fp32)
+        top_ids = [t for t, _, _ in lp.top]
+        assert top_ids == row.topk(5).indices.tolist()
+        assert [v for _, _, v in lp.top] == pytest.approx(row.topk(5).values.tolist(), abs=1e-4)
+
+
+def test_tiny_kv_budget_preempts_and_every_request_finishes_unchanged(tiny_model, engine_factory):
+    model_dir = tiny_model("tiny-llama")
+    roomy = engine_factory(model_dir)
+    cramped = engine_factory(model_dir, num_kv_blocks=5)  # 80 token slots for 8 requests of up to 72 tokens
+
+    async def run(engine):
+        return await asyncio.gather(*[collect(engine, p, max_tokens=24, temperature=0) for p in PROMPTS])
+
+    expected = [tokens(o) for o in asyncio.run(run(roomy))]
+    got = asyncio.run(run(cramped))
+    assert [tokens(o) for o in got] == expected
+    assert all(o[-1].finish_reason == "length" for o in got)
+    assert cramped.stats().kv_blocks_used == 0
+
+
+def test_abort_frees_every_block(tiny_model, engine_factory):
+    engine = engine_factory(tiny_model("tiny-llama"))
+
+    async def start_then_leave():
+        stream = engine.generate(PROMPTS[7], SamplingParams(max_tokens=400, temperature=0, ignore_eos=True))
+        await stream.__anext__()
+        assert engine.stats().kv_blocks_used > 0
+        await stream.aclose()  # what a handler does when its client goes away
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if engine.stats().kv_blocks_used == 0 and engine.stats().running == 0:
+                return True
+        return False
+
+    assert asyncio.run(start_then_leave())
+
+
+def test_stop_string_spanning_tokens_is_honoured_and_never_streamed(tiny_model, engine_factory):
+    engine = engine_factory(tiny_model("tiny-llama"))
+    full = asyncio.run(collect(engine, PROMPTS[4], max_tokens=40, temperature=0))
+    text = "".join(o.text for o in full)
+    per_token = [o.text for o in full]
+    # a stop string that starts inside one token's text and ends inside a later one
+    start = len(per_token[0]) + max(1, len(per_token[1]) // 2)
+    stop = text[start:start + len(per_token[2]) + 2]
+    assert stop and text.index(stop) == start
+    outs = asyncio.run(collect(engine, PROMPTS[4], max_tokens=40, temperature=0, stop=[stop]))
+    streamed = "".join(o.text for o in outs)
+    assert streamed == text[:start]
+    assert outs[-1].finish_reason == "stop"
+    assert engine.stats().kv_blocks_used == 0
+
+
+def test_incremental_text_never_contains_broken_utf8(tiny_model):
+    from runtime.engine.tokenizer import Tokenizer
+
+    tok = Tokenizer(tiny_model("tiny-llama"))
+    text = "Ünïcödé and 日本語 too, with emoji 🦊🚀 and 'quotes'."
+    ids = tok.encode(text)
+    stream = OutputText(tok, [], [])
+    deltas = []
+    for i in ids:
+        stream.add_token(i)
+        deltas.append(stream.release(final=False))
+    deltas.append(stream.release(final=True))
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) == tok.decode(ids)
+
+
+def test_seed_reproduces_sampling_whatever_shares_the_batch(tiny_model, engine_factory):
+    engine = engine_factory(tiny_model("tiny-llama"))
+    sampled = dict(max_tokens=20, temperature=1.0, top_p=0.9, top_k=50, seed=1234)
+    alone = tokens(asyncio.run(collect(engine, PROMPTS[2], **sampled)))
+
+    async def crowded():
+        others = [collect(engine, p, max_tokens=20, temperature=1.0) for p in PROMPTS]
+        return await asyncio.gather(collect(engine, PROMPTS[2], **sampled), *others)
+
+    assert tokens(asyncio.run(crowded())[0]) == alone
+    other_seed = tokens(asyncio.run(collect(engine, PROMPTS[2], **{**sampled, "seed": 99})))
+    assert other_seed != alone
+
+
+def test_top_k_one_is_greedy_and_penalties_change_choices(tiny_model, engine_factory):
+    engine = engine_factory(tiny_model("tiny-llama"))
+    greedy = tokens(asyncio.run(collect(engine, PROMPTS[1], max_tokens=20, temperature=0)))
+    top1 = tokens(asyncio.run(collect(engine, PROMPTS[1], max_tokens=20, temperature=1.5, top_k=1, seed=3)))
+    assert top1 == greedy
+    penalised = tokens(asyncio.run(collect(engine, PROMPTS[1], max_tokens=20, temperature=0,
+                                           frequency_penalty=2.0, presence_penalty=2.0)))
+    assert len(set(penalised)) > len(set(greedy))
+
+
+def test_stop_token_and_eos_end_with_stop(tiny_model, engine_factory):
+    engine = engine_factory(tiny_model("tiny-llama"))
+    greedy = tokens(asyncio.run(collect(engine, PROMPTS[1], max_tokens=10, temperature=0)))
+    outs = asyncio.run(collect(engine, PROMPTS[1], max_tokens=10, temperature=0, stop_token_ids=[greedy[3]]))
+    assert tokens(outs) == greedy[:greedy.index(greedy[3]) + 1]
+    assert outs[-1].finish_reason == "stop" and outs[-1].completion_tokens == greedy.index(greedy[3]) + 1
+
+
+def test_invalid_requests_are_refused(tiny_model, engine_factory):
+    engine = engine_factory(tiny_model("tiny-llama"), max_model_len=64)
+    with pytest.raises(InvalidParams, match="maximum context length is 64"):
+        asyncio.run(collect(engine, [5] * 60, max_tokens=10))
+    with pytest.raises(InvalidParams):
+        asyncio.run(collect(engine, [], max_tokens=10))
+    with pytest.raises(InvalidParams) as err:
+        SamplingParams(temperature=3)
+    assert err.value.param == "temperature"
+    assert tokens(asyncio.run(collect(engine, [5, 6], max_tokens=3)))  # still serving
+
+
+def test_unsupported_architecture_is_named():
+    with pytest.raises(UnsupportedModel, match="GPT2LMHeadModel"):
+        ModelConfig.from_hf({"architectures": ["GPT2LMHeadModel"]})
+    with pytest.raises(UnsupportedModel, match="sliding_window"):
+        ModelConfig.from_hf({"architectures": ["MistralForCausalLM"], "sliding_window": 4096})

@@ -1,0 +1,115 @@
+"""The Triton kernels against the PyTorch references (in Triton's interpreter on a machine without a GPU)."""
+
+import asyncio
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from runtime.engine.layers import dispatch
+from runtime.engine.layers import rotary as rope
+from runtime.engine.layers.attention import AttentionMetadata, paged_attention_reference
+from runtime.engine.layers.norm import rms_norm_reference
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def paged_batch(query_lens, seq_lens, heads=6, kv_heads=2, head_dim=32, block_size=16, block_q=16, dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    num_blocks = sum(-(-n // block_size) for n in seq_lens) + 3
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    order = torch.randperm(num_blocks, generator=g).tolist()  # blocks scattered over the cache
+    tables, used = [], 0
+    for n in seq_lens:
+        count = -(-n // block_size)
+        tables.append(order[used:used + count])
+        used += count
+    table = torch.zeros(len(tables), max(map(len, tables)), dtype=torch.int32)
+    for i, row in enumerate(tables):
+        table[i, :len(row)] = torch.tensor(row)
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    tile_seq, tile_start = [], []
+    for s, n in enumerate(query_lens):
+        for first in range(starts[s], starts[s + 1], block_q):
+            tile_seq.append(s)
+            tile_start.append(first)
+    q = torch.randn(starts[-1], heads, head_dim, generator=g)
+    meta = AttentionMetadata(
+        slot_mapping=None, query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=table,
+        tile_seq=torch.tensor(tile_seq, dtype=torch.int32), tile_q_start=torch.tensor(tile_start, dtype=torch.int32),
+        block_q=block_q, query_start_loc_cpu=starts, seq_lens_cpu=list(seq_lens))
+    return q.to(dtype), k_cache.to(dtype), v_cache.to(dtype), meta
+
+
+def on_device(meta):
+    fields = {k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in vars(meta).items()}
+    return AttentionMetadata(**fields)
+
+
+@pytest.mark.parametrize("query_lens,seq_lens,block_q", [
+    ([1, 1, 1], [1, 17, 130], 1),                    # decode, one tile per sequence
+    ([5, 1, 20, 1], [5, 30, 37, 64], 16),            # prefill, decode and prefill-after-cache mixed
+    ([33], [100], 4),                                # a prompt continued after a prefix already cached
+])
+def test_paged_attention_matches_reference(query_lens, seq_lens, block_q):
+    from runtime.engine.kernels.paged_attention import paged_attention
+
+    q, k, v, meta = paged_batch(query_lens, seq_lens, block_q=block_q)
+    expected = paged_attention_reference(q, k, v, meta, 32 ** -0.5)
+    got = paged_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), on_device(meta), 32 ** -0.5).cpu()
+    assert (got - expected).abs().max() < 1e-5
+
+
+def test_fused_add_norm_rotary_and_swiglu_match_references():
+    from runtime.engine.kernels.activation import silu_and_mul
+    from runtime.engine.kernels.norm import rms_norm
+    from runtime.engine.kernels.rotary import rotary_inplace
+
+    g = torch.Generator().manual_seed(1)
+    x, r, w = torch.randn(7, 96, generator=g), torch.randn(7, 96, generator=g), torch.randn(96, generator=g)
+    out, summed = rms_norm(x.clone().to(DEVICE), w.to(DEVICE), 1e-5, r.clone().to(DEVICE))
+    assert torch.allclose(summed.cpu(), x + r)
+    assert (out.cpu() - rms_norm_reference(x + r, w, 1e-5)).abs().max() < 1e-5
+    plain = x.to(DEVICE)
+    assert (rms_norm(plain, w.to(DEVICE), 1e-5).cpu() - rms_norm_reference(x, w, 1e-5)).abs().max() < 1e-5
+    assert torch.equal(plain.cpu(), x)  # without a residual the input is left alone
+
+    qkv = torch.randn(5, 8 * 16, generator=g)  # q: 4 heads, k: 2, v: 2, of 16 dims, as views of the fused output
+    q, k = qkv[:, :64].view(5, 4, 16), qkv[:, 64:96].view(5, 2, 16)
+    assert (rms_norm(q.to(DEVICE), w[:16].to(DEVICE), 1e-6).cpu() - rms_norm_reference(q, w[:16], 1e-6)).abs().max() < 1e-5
+    positions = torch.tensor([0, 3, 7, 100, 5])
+    table = rope.cos_sin_table(128, rope.inverse_frequencies(16, 10000.0, None))
+    want_q, want_k = rope.apply_rotary(q, k, positions, table)
+    fused = qkv.clone().to(DEVICE)
+    dq, dk = fused[:, :64].view(5, 4, 16), fused[:, 64:96].view(5, 2, 16)
+    rotary_inplace(dq, dk, positions.to(DEVICE), table.to(DEVICE))
+    assert (dq.cpu() - want_q).abs().max() < 1e-5 and (dk.cpu() - want_k).abs().max() < 1e-5
+    assert torch.equal(fused[:, 96:].cpu(), qkv[:, 96:])  # v untouched
+
+    gate_up = torch.randn(3, 2 * 1500, generator=g)
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert (silu_and_mul(gate_up.to(DEVICE)).cpu() - F.silu(gate) * up).abs().max() < 1e-5
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the cpu interpreter path")
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3"])
+def test_whole_model_through_the_kernels_matches_the_reference_path(preset, tiny_model, engine_factory, monkeypatch):
+    model_dir = tiny_model(preset)
+    reference = engine_factory(model_dir)
+    prompts = [[3, 4, 5, 6, 7], [9] * 20]
+
+    async def run(engine):
+        from runtime.engine import SamplingParams
+
+        async def one(p):
+            return [t async for o in engine.generate(p, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+                    for t in o.token_ids]
+        return await asyncio.gather(*[one(p) for p in prompts])
+
+    expected = asyncio.run(run(reference))
+    monkeypatch.setattr(dispatch, "kernels_on_cpu", True)
+    assert asyncio.run(run(reference)) == expected
