@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -15,7 +17,6 @@ import httpx
 import openai
 import pytest
 
-from tests.server.tiny_model import make_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
 API_KEY = "test-key"
@@ -98,9 +99,22 @@ def start_server(tmp: Path, name: str, **settings: str) -> Server:
     return Server(process, port, log_path)
 
 
+#: ChatML, so that chat requests have a template to go through (the tiny test model has none)
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory) -> Path:
-    return make_tiny_model(tmp_path_factory.mktemp("models") / "tiny-llama")
+def tiny_model_dir(tiny_model, tmp_path_factory) -> Path:
+    """The shared tiny random Llama (tests/conftest.py), served as `tiny-llama`, with a chat template and
+    a 4096-position context, so that a generation can outlast a disconnect by seconds."""
+    served = tmp_path_factory.mktemp("served") / "tiny-llama"
+    shutil.copytree(tiny_model("tiny-llama"), served)
+    config = json.loads((served / "config.json").read_text())
+    (served / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 4096}))
+    tokenizer_config = json.loads((served / "tokenizer_config.json").read_text())
+    (served / "tokenizer_config.json").write_text(json.dumps(tokenizer_config | {"chat_template": CHATML}))
+    return served
 
 
 @pytest.fixture(scope="session")
