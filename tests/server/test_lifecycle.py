@@ -93,3 +93,12 @@ def test_custom_handler(tiny_model_dir, tmp_path):
         assert "thawllm_generated_tokens_total" in httpx.get(f"{server.url}/metrics").text
     finally:
         assert server.stop() == 0
+
+
+def test_readme_documents_every_setting():
+    from runtime.config import Settings
+
+    readme = (REPO / "README.md").read_text()
+    for f in Settings.fields():
+        flag = "--" + f.name.replace("_", "-")
+        assert f"| `{f.metadata['env']}` | `{flag}` |" in readme, f.metadata["env"]
