@@ -70,17 +70,22 @@ def parameter_buffer(params: cu.KernelNodeParams, func: int) -> bytes:
         size = max((offset + n for offset, n in layout), default=0)
         buffer = bytearray(size)
         for i, (offset, n) in enumerate(layout):
-            buffer[offset:offset + n] = ctypes.string_at(params.kernelParams[i], n)
+            source = params.kernelParams[i]
+            if not source:
+                raise cu.CudaError(f"kernel node has no value for parameter {i}")
+            buffer[offset:offset + n] = ctypes.string_at(source, n)
         return bytes(buffer)
     if params.extra:
-        pointer, size, i = None, None, 0
-        while params.extra[i] != cu.LAUNCH_PARAM_END:
-            key, value = params.extra[i], params.extra[i + 1]
+        pointer, size = None, None
+        for i in range(0, 16, 2):  # (key, value) pairs up to LAUNCH_PARAM_END; NULL reads back as None
+            key = params.extra[i] or cu.LAUNCH_PARAM_END
+            if key == cu.LAUNCH_PARAM_END:
+                break
+            value = params.extra[i + 1]
             if key == cu.LAUNCH_PARAM_BUFFER_POINTER:
                 pointer = value
             elif key == cu.LAUNCH_PARAM_BUFFER_SIZE:
                 size = ctypes.c_size_t.from_address(value).value
-            i += 2
         if pointer is None or size is None:
             raise cu.CudaError("kernel node's extra[] has no parameter buffer")
         return ctypes.string_at(pointer, size)

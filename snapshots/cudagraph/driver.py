@@ -79,10 +79,16 @@ def node_type(node: int) -> int:
 
 
 def node_dependencies(node: int) -> list[int]:
+    # The _v2 entry point (CUDA 12.3+) takes edge data; CUDA 13 headers map the plain name to it, so the
+    # versioned symbol is named explicitly to get one known signature. Edge data is not needed: captured
+    # decode graphs only have default (full) dependencies.
+    get = lib().cuGraphNodeGetDependencies_v2
     count = c_size_t(0)
-    check(lib().cuGraphNodeGetDependencies(c_void_p(node), None, byref(count)), "cuGraphNodeGetDependencies")
-    deps = (c_void_p * max(count.value, 1))()
-    check(lib().cuGraphNodeGetDependencies(c_void_p(node), deps, byref(count)), "cuGraphNodeGetDependencies")
+    check(get(c_void_p(node), None, None, byref(count)), "cuGraphNodeGetDependencies")
+    if count.value == 0:
+        return []
+    deps = (c_void_p * count.value)()
+    check(get(c_void_p(node), deps, None, byref(count)), "cuGraphNodeGetDependencies")
     return [d or 0 for d in deps[: count.value]]
 
 

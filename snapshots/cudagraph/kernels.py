@@ -21,17 +21,17 @@ def resolve_kernels(runner: ModelRunner, batch_sizes: list[int], names: set[str]
     with torch.inference_mode():
         for bs in batch_sizes:
             runner.run_first_layers(bs)
-        pool = None
+        graphs: list[torch.cuda.CUDAGraph] = []  # alive until all are read: they share one pool
         for bs in batch_sizes:
             graph = torch.cuda.CUDAGraph(keep_graph=True)
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=graphs[0].pool() if graphs else None):
                 runner.run_first_layers(bs)
-            pool = graph.pool()
+            graphs.append(graph)
             for node in cu.graph_nodes(graph.raw_cuda_graph()):
                 if cu.node_type(node) == cu.NODE_KERNEL:
                     func = kernel_function(cu.kernel_node_params(node))
                     handles.setdefault(cu.function_name(func), func)
-            del graph
+        del graphs
     missing = names - handles.keys()
     if missing:
         for module in {cu.function_module(f) for f in handles.values()}:

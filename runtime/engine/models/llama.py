@@ -13,6 +13,7 @@ from torch import nn
 
 from runtime.engine.layers.activation import silu_and_mul
 from runtime.engine.layers.attention import AttentionMetadata, paged_attention, store_kv
+from runtime.engine.layers.linear import Embedding, Linear
 from runtime.engine.layers.norm import RMSNorm
 from runtime.engine.layers.rotary import apply_rotary
 from runtime.engine.model_config import ModelConfig
@@ -26,8 +27,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.q_size, self.kv_size = c.q_size, c.kv_size
         self.scale = c.head_dim ** -0.5
-        self.qkv_proj = nn.Linear(c.hidden_size, c.q_size + 2 * c.kv_size, bias=c.qkv_bias)
-        self.o_proj = nn.Linear(c.q_size, c.hidden_size, bias=False)
+        self.qkv_proj = Linear(c.hidden_size, c.q_size + 2 * c.kv_size, bias=c.qkv_bias)
+        self.o_proj = Linear(c.q_size, c.hidden_size, bias=False)
         self.qk_norm = c.qk_norm
         if c.qk_norm:
             self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
@@ -51,8 +52,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, c: ModelConfig) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        self.gate_up_proj = Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
+        self.down_proj = Linear(c.intermediate_size, c.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -79,7 +80,7 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, c: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.embed_tokens = Embedding(c.vocab_size, c.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
@@ -89,7 +90,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_caches: list[KVCache], cos_sin: torch.Tensor, num_layers: int | None = None) -> torch.Tensor:
