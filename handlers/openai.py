@@ -16,9 +16,18 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from handlers.openai_protocol import (GenerationRequest, chat_chunk, chat_response, completion_chunk,
-                                      completion_logprobs, completion_response, parse_chat, parse_completion,
-                                      parse_json, usage_chunk)
+from handlers.openai_protocol import (
+    GenerationRequest,
+    chat_chunk,
+    chat_response,
+    completion_chunk,
+    completion_logprobs,
+    completion_response,
+    parse_chat,
+    parse_completion,
+    parse_json,
+    usage_chunk,
+)
 from runtime.engine.outputs import RequestOutput, TokenLogprob
 from runtime.engine.sampling_params import InvalidParams
 from runtime.logs import get_logger

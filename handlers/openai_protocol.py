@@ -112,14 +112,15 @@ def _sampling_params(fields: _Fields, max_tokens: int, logprobs: int | None) -> 
         raise bad_request(str(exc), exc.param) from None
 
 
-def _max_tokens(fields: _Fields, *names: str) -> tuple[int | None, str]:
+def _max_tokens(fields: _Fields, *names: str) -> int | None:
+    """The first of `names` that is set (max_completion_tokens replaced max_tokens in chat)."""
     for name in names:
         value = fields.get(name, "int")
         if value is not None:
             if value < 1:
                 raise bad_request(f"'{name}' must be at least 1, got {value}", name)
-            return value, name
-    return None, names[0]
+            return value
+    return None
 
 
 def _stream_flags(fields: _Fields) -> tuple[bool, bool]:
@@ -151,7 +152,7 @@ def parse_chat(body: dict[str, Any], engine: EngineView, served: str) -> Generat
         raise bad_request(str(exc), "messages") from None
     # The template writes the special tokens (BOS included) itself.
     prompt = engine.tokenizer.encode(prompt_text, add_special_tokens=False)
-    max_tokens, _ = _max_tokens(f, "max_completion_tokens", "max_tokens")
+    max_tokens = _max_tokens(f, "max_completion_tokens", "max_tokens")
     if max_tokens is None:  # OpenAI's default: whatever room the context has left
         max_tokens = max(1, engine.max_model_len - len(prompt))
     logprobs = None
@@ -204,7 +205,7 @@ def parse_completion(body: dict[str, Any], engine: EngineView, served: str) -> G
     f.reject("echo", f.get("echo", "bool", False), "echo is not implemented")
     f.reject("suffix", bool(f.body.get("suffix")), "no insertion")
     f.reject("best_of", f.get("best_of", "int", 1) != 1, "only best_of=1")
-    max_tokens, _ = _max_tokens(f, "max_tokens")
+    max_tokens = _max_tokens(f, "max_tokens")
     logprobs = f.get("logprobs", "int")
     if logprobs is not None and not 0 <= logprobs <= MAX_COMPLETIONS_LOGPROBS:
         raise bad_request(f"'logprobs' must be between 0 and {MAX_COMPLETIONS_LOGPROBS}, got {logprobs}", "logprobs")

@@ -21,7 +21,8 @@ class APIKeyMiddleware:
             given = dict(scope["headers"]).get(b"authorization", b"")
             # compare_digest: the time taken must not tell how much of a guessed key was right
             if not hmac.compare_digest(given, self._expected):
-                message = "Missing API key: send 'Authorization: Bearer <key>'" if not given else "Incorrect API key provided"
+                message = ("Incorrect API key provided" if given
+                           else "Missing API key: send 'Authorization: Bearer <key>'")
                 error = APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
                 await error.response()(scope, receive, send)
                 return

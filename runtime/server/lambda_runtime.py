@@ -31,8 +31,14 @@ from starlette.types import ASGIApp
 
 from runtime.logs import get_logger
 from runtime.server.handler import Handler, LambdaContext
-from runtime.server.lambda_http import (HTTP_STREAM_CONTENT_TYPE, AppCallError, ResponseHead, buffered_response,
-                                        call_app, is_http_event)
+from runtime.server.lambda_http import (
+    HTTP_STREAM_CONTENT_TYPE,
+    AppCallError,
+    ResponseHead,
+    buffered_response,
+    call_app,
+    is_http_event,
+)
 from runtime.server.state import AppState, StartedEngine
 
 log = get_logger("lambda")

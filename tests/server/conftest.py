@@ -17,7 +17,6 @@ import httpx
 import openai
 import pytest
 
-
 REPO = Path(__file__).resolve().parents[2]
 API_KEY = "test-key"
 

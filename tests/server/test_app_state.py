@@ -41,7 +41,8 @@ def test_failed_and_draining_are_503_with_the_reason(unready):
     state, client = unready
     state.begin_drain()
     assert client.get("/health").json()["status"] == "draining"
-    assert client.post("/v1/completions", json={"prompt": "x"}).json()["error"]["message"] == "the server is shutting down"
+    error = client.post("/v1/completions", json={"prompt": "x"}).json()["error"]
+    assert error["message"] == "the server is shutting down"
     state.mark_failed("UnsupportedModel: architecture 'X' is not supported")
     h = client.get("/health")
     assert h.status_code == 503 and h.json()["status"] == "failed" and "architecture" in h.json()["error"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import signal
 import subprocess
 import threading
@@ -11,7 +12,7 @@ import httpx
 import orjson
 import pytest
 
-from tests.server.conftest import bootstrap_command, server_env, start_server, REPO
+from tests.server.conftest import REPO, bootstrap_command, server_env, start_server
 
 
 @pytest.mark.parametrize("argv, env, message", [
@@ -73,6 +74,17 @@ def test_sigterm_drains_in_flight_stream_then_exits_0(tiny_model_dir, tmp_path):
     finally:
         server.stop()
     assert "draining" in server.log()
+
+
+def test_engine_that_cannot_start_exits_1(tiny_model_dir, tmp_path):
+    """A model only found unservable while starting: the server listened (503), then exits non-zero so that
+    the platform restarts it and shows the crash, rather than lingering unready."""
+    model = tmp_path / "not-a-llama"
+    shutil.copytree(tiny_model_dir, model)
+    (model / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
+    server = start_server(tmp_path, "broken", MODEL=str(model))
+    assert server.process.wait(60) == 1
+    assert "the engine failed to start" in server.log() and "GPT2LMHeadModel" in server.log()
 
 
 def test_custom_handler(tiny_model_dir, tmp_path):
