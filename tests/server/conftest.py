@@ -22,9 +22,10 @@ API_KEY = "test-key"
 
 
 def bootstrap_command() -> list[str]:
-    """The installed console script, run by this interpreter, importing this checkout (PYTHONPATH)."""
+    """The installed console script, run by this interpreter, importing this checkout (PYTHONPATH); where
+    the package is not installed (the GPU machine), the same entry point as a module."""
     script = Path(sys.executable).parent / "faas-bootstrap"
-    return [sys.executable, str(script)]
+    return [sys.executable, str(script)] if script.exists() else [sys.executable, "-m", "runtime.bootstrap"]
 
 
 def free_port() -> int:
@@ -35,7 +36,8 @@ def free_port() -> int:
 
 def server_env(**settings: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("AWS_LAMBDA_RUNTIME_API", "API_KEY", "HANDLER")}
-    env.update({"PYTHONPATH": str(REPO), "HOST": "127.0.0.1", "DEVICE": "cpu", "LOG_LEVEL": "info", **settings})
+    pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env.update({"PYTHONPATH": pythonpath, "HOST": "127.0.0.1", "DEVICE": "cpu", "LOG_LEVEL": "info", **settings})
     return env
 
 
