@@ -20,6 +20,7 @@ from snapshots.cudagraph.relocate import RegionIndex
 class Description:
     record: GraphRecord
     problems: list[str] = field(default_factory=list)  # why this graph cannot be restored, if anything
+    functions: dict[str, set[int]] = field(default_factory=dict)  # kernel name -> the handles seen for it
 
 
 def describe_graph(graph: int, batch_size: int, regions: RegionIndex, blob: bytearray) -> Description:
@@ -28,11 +29,14 @@ def describe_graph(graph: int, batch_size: int, regions: RegionIndex, blob: byte
     position = {h: i for i, h in enumerate(handles)}
     nodes: list[Node] = []
     problems: list[str] = []
+    functions: dict[str, set[int]] = {}
     for handle in handles:
         deps = [position[d] for d in cu.node_dependencies(handle)]
         kind = cu.node_type(handle)
         if kind == cu.NODE_KERNEL:
-            nodes.append(_kernel_node(handle, deps, regions, blob, problems))
+            node, func = _kernel_node(handle, deps, regions, blob, problems)
+            functions.setdefault(node.name, set()).add(func)
+            nodes.append(node)
         elif kind == cu.NODE_MEMSET:
             nodes.append(_memset_node(handle, deps, regions, problems))
         elif kind == cu.NODE_EMPTY:
@@ -40,7 +44,7 @@ def describe_graph(graph: int, batch_size: int, regions: RegionIndex, blob: byte
         else:
             problems.append(f"unsupported {cu.NODE_TYPE_NAMES.get(kind, kind)} node")
             nodes.append(EmptyNode(deps))
-    return Description(GraphRecord(batch_size, nodes), problems)
+    return Description(GraphRecord(batch_size, nodes), problems, functions)
 
 
 def topological_order(graph: int) -> list[int]:
@@ -93,7 +97,7 @@ def parameter_buffer(params: cu.KernelNodeParams, func: int) -> bytes:
 
 
 def _kernel_node(handle: int, deps: list[int], regions: RegionIndex, blob: bytearray,
-                 problems: list[str]) -> KernelNode:
+                 problems: list[str]) -> tuple[KernelNode, int]:
     params = cu.kernel_node_params(handle)
     func = kernel_function(params)
     name = cu.function_name(func)
@@ -111,9 +115,10 @@ def _kernel_node(handle: int, deps: list[int], regions: RegionIndex, blob: bytea
     offset = len(blob)
     blob.extend(buffer)
     blob.extend(b"\0" * (-len(blob) % 8))
-    return KernelNode(name, (params.gridDimX, params.gridDimY, params.gridDimZ),
+    node = KernelNode(name, (params.gridDimX, params.gridDimY, params.gridDimZ),
                       (params.blockDimX, params.blockDimY, params.blockDimZ), params.sharedMemBytes,
                       offset, len(buffer), relocations, attributes, deps)
+    return node, func
 
 
 def _memset_node(handle: int, deps: list[int], regions: RegionIndex, problems: list[str]) -> MemsetNode:

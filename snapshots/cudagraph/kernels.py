@@ -4,7 +4,9 @@ Handles differ per process and many kernels (cuBLAS's) are in no symbol table. R
 layer (plus the final norm and lm_head) once per batch size loads every module a full decode step uses —
 lazily loaded PyTorch modules, cuBLAS's choices for each shape, the Triton kernels from the baked cache —
 and capturing that small forward shows which handle each name has. Names still missing after that are
-looked up among all functions of the modules already found.
+looked up among all functions of the modules already found. A name that turns out to belong to two different
+functions (two specialisations of one Triton kernel, say) is left unresolved: the graphs that need it are
+captured live rather than risk the wrong code.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from snapshots.cudagraph.describe import kernel_function
 
 
 def resolve_kernels(runner: ModelRunner, batch_sizes: list[int], names: set[str]) -> dict[str, int]:
-    handles: dict[str, int] = {}
+    found: dict[str, set[int]] = {}
     with torch.inference_mode():
         for bs in batch_sizes:
             runner.run_first_layers(bs)
@@ -30,9 +32,10 @@ def resolve_kernels(runner: ModelRunner, batch_sizes: list[int], names: set[str]
             for node in cu.graph_nodes(graph.raw_cuda_graph()):
                 if cu.node_type(node) == cu.NODE_KERNEL:
                     func = kernel_function(cu.kernel_node_params(node))
-                    handles.setdefault(cu.function_name(func), func)
+                    found.setdefault(cu.function_name(func), set()).add(func)
         del graphs
-    missing = names - handles.keys()
+    handles = {name: next(iter(funcs)) for name, funcs in found.items() if len(funcs) == 1}
+    missing = names - found.keys()
     if missing:
         for module in {cu.function_module(f) for f in handles.values()}:
             for func in cu.module_functions(module):

@@ -69,11 +69,20 @@ def capture_and_describe(runner: ModelRunner) -> Materialized:
     blob = bytearray()
     records: list[GraphRecord] = []
     problems: dict[int, list[str]] = {}
+    functions: dict[str, set[int]] = {}
     for bs in sorted(runner.graphs):
         description = describe_graph(runner.graphs[bs].raw_cuda_graph(), bs, indexes[bs], blob)
         records.append(description.record)
+        for name, funcs in description.functions.items():
+            functions.setdefault(name, set()).update(funcs)
         if description.problems:
             problems[bs] = description.problems
+    ambiguous = {name for name, funcs in functions.items() if len(funcs) > 1}
+    for record in records:
+        clash = sorted({n.name for n in record.nodes if isinstance(n, KernelNode)} & ambiguous)
+        if clash:
+            problems.setdefault(record.batch_size, []).append(
+                f"kernel name {clash[0][:60]} belongs to {len(functions[clash[0]])} different functions")
     segment_records, contents = _referenced_segments(records, segments, runner.graph_pool)
     names = sorted({n.name for r in records for n in r.nodes if isinstance(n, KernelNode)})
     graph_set = GraphSet([(a.name, a.nbytes) for a in runner.allocator.log], segment_records, records, names)
