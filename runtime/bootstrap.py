@@ -1,0 +1,226 @@
+"""faas-bootstrap: the container's entry point.
+
+settings (environment + flags) -> logging -> the app, listening before the engine exists (/health 503) ->
+a start path chosen and run on a worker thread (`start_engine`) -> ready (the timeline printed) -> serve,
+over HTTP for Knative or through the Lambda Runtime API when AWS_LAMBDA_RUNTIME_API is set.
+
+Nothing on the way to listening imports torch: the engine module, the weights and the Lambda client are
+imported by the paths that need them. Nothing imports this module.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Sequence
+
+from runtime import timeline as stages
+from runtime.config import ConfigError, Settings
+from runtime.logs import get_logger, setup_logging
+from runtime.server.state import AppState, StartedEngine
+from runtime.timeline import Timeline
+
+if TYPE_CHECKING:
+    from runtime.engine import Engine, EngineConfig
+    from runtime.engine.llm_engine import LoadWeights
+
+log = get_logger("bootstrap")
+
+#: the restore paths faster than cold, fastest first (DESIGN.md)
+FASTER_PATHS = ("gpu", "process", "materialized")
+
+
+class SkipPath(Exception):
+    """A restore path cannot be taken on this machine (no snapshot, fingerprint mismatch...): fall back."""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "-h" in argv or "--help" in argv:
+        Settings.argument_parser("faas-bootstrap").print_help()
+        return 0
+    lambda_api = os.environ.get("AWS_LAMBDA_RUNTIME_API")
+    try:
+        settings = Settings.from_args(argv)
+        check_model_ref(settings.model)
+        from runtime.server.handler import load_handler
+
+        handler = load_handler(settings.handler)
+    except ConfigError as exc:
+        print(f"faas-bootstrap: {exc}", file=sys.stderr)
+        if lambda_api:
+            from runtime.server.lambda_runtime import LambdaError, report_init_error
+
+            report_init_error(lambda_api, LambdaError("Runtime.ConfigError", str(exc)))
+        return 2
+    setup_logging(settings.log_level)
+    _route_uvicorn_logs()
+
+    from handlers import health
+    from runtime.server.app import build_app
+
+    state = AppState(Timeline(), model_name=served_model_name(settings))
+    app = build_app(state, [health.handler, handler], settings.api_key)
+
+    def start() -> StartedEngine:
+        return start_engine(settings, state.timeline)
+
+    if lambda_api:
+        from runtime.server.lambda_runtime import run_lambda
+
+        return run_lambda(lambda_api, app, state, handler, settings.lambda_invoke_mode, start)
+    from runtime.server.serve import serve_http
+
+    return serve_http(app, state, settings, start)
+
+
+# -- start paths ----------------------------------------------------------------------------------------
+
+def start_engine(settings: Settings, timeline: Timeline) -> StartedEngine:
+    """Choose and run a start path: the fastest restore path that can be taken here, else cold. A faster
+    path that is missing, mismatched or fails is skipped with its reason; the cold path always works."""
+    skipped: dict[str, str] = {}
+    for name in FASTER_PATHS:
+        if settings.restore not in ("auto", name):
+            skipped[name] = f"RESTORE={settings.restore}"
+            continue
+        try:
+            engine = RESTORE_PATHS[name](settings, timeline)
+            return StartedEngine(engine, name, skipped)
+        except SkipPath as why:
+            skipped[name] = str(why)
+        except Exception as exc:  # a broken snapshot must never keep the function from starting
+            log.exception("restore path %s failed; falling back", name)
+            skipped[name] = f"failed: {type(exc).__name__}: {exc}"
+    for name, why in skipped.items():
+        log.info("restore path %s skipped: %s", name, why)
+    return StartedEngine(start_cold(settings, timeline), "cold", skipped)
+
+
+def _not_built(name: str) -> Callable[[Settings, Timeline], "Engine"]:
+    def restore(settings: Settings, timeline: Timeline) -> "Engine":
+        if settings.snapshot_dir is None:
+            raise SkipPath("SNAPSHOT_DIR is not set")
+        raise SkipPath(f"this build has no {name} restore yet")
+
+    return restore
+
+
+#: name -> restore function (raises SkipPath to fall through). snapshots/ replaces these entries.
+RESTORE_PATHS: dict[str, Callable[[Settings, Timeline], "Engine"]] = {name: _not_built(name) for name in FASTER_PATHS}
+
+
+def start_cold(settings: Settings, timeline: Timeline) -> "Engine":
+    """What vLLM does: import, build, load the weights, profile the KV cache, capture graphs."""
+    from runtime.engine import Engine  # torch and the engine: the bulk of runtime_init
+
+    timeline.mark(stages.RUNTIME_INIT)
+    model_dir = resolve_model(settings.model)
+    engine = Engine.build(model_dir, _safetensors_loader(model_dir), engine_config(settings), timeline,
+                          served_model_name(settings))
+    engine.start()
+    return engine
+
+
+def engine_config(settings: Settings) -> "EngineConfig":
+    import torch
+
+    from runtime.engine import EngineConfig
+
+    device = settings.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("DEVICE=cuda but no CUDA device is visible")
+    dtype = settings.dtype if settings.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+    defaults = EngineConfig()
+    return EngineConfig(
+        device=device, dtype=dtype, max_model_len=settings.max_model_len,
+        max_num_seqs=settings.max_num_seqs or (256 if device == "cuda" else 16),
+        max_num_batched_tokens=settings.max_num_batched_tokens or defaults.max_num_batched_tokens,
+        gpu_memory_utilization=settings.gpu_memory_utilization, enforce_eager=settings.enforce_eager)
+
+
+# -- the model ---------------------------------------------------------------------------------------------
+
+def check_model_ref(model: str | None) -> None:
+    """Fail before listening on a MODEL that cannot be right; what can only be known by loading (a
+    corrupt or unsupported model) fails in the start path."""
+    if model is None or model.startswith("s3://"):
+        return
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ConfigError(f"MODEL={model!r}: no such file or directory")
+
+
+def resolve_model(model: str | None) -> Path:
+    """MODEL -> a local Hugging Face model directory."""
+    # TODO(weights): the embedded SmolLM2 (MODEL unset), GGUF files, faas-build layouts and s3:// prefixes
+    # resolve through runtime/weights once it lands; until then only local directories are served.
+    if model is None:
+        raise RuntimeError("MODEL is not set and this build cannot import the embedded SmolLM2 GGUF yet: "
+                           "set MODEL to a Hugging Face model directory")
+    path = Path(model).expanduser()
+    if not (path.is_dir() and (path / "config.json").exists()):
+        raise RuntimeError(f"MODEL={model!r} is not a Hugging Face model directory (no config.json); "
+                           "GGUF files, layouts and s3:// need runtime/weights")
+    return path
+
+
+def served_model_name(settings: Settings) -> str | None:
+    if settings.served_model_name:
+        return settings.served_model_name
+    if settings.model:
+        return settings.model.rstrip("/").rsplit("/", 1)[-1] or settings.model
+    return None
+
+
+def _safetensors_loader(model_dir: Path) -> "LoadWeights":
+    """Interim loader (synchronous, one pass over the *.safetensors files) until runtime/weights'
+    pipelined loader replaces it."""
+    from safetensors import safe_open
+
+    from runtime.engine.weight_plan import tensor_views
+
+    class _Loaded:
+        def wait(self) -> None:
+            return None
+
+    def load(plan, buffer):
+        views = tensor_views(buffer, plan)
+        files = sorted(model_dir.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{model_dir} has no *.safetensors files")
+        where = {}
+        for file in files:
+            with safe_open(str(file), "pt") as f:
+                where.update({name: file for name in f.keys()})
+        missing = [name for name in plan.source_names() if name not in where]
+        if missing:
+            raise ValueError(f"{model_dir}: {len(missing)} weights missing, e.g. {missing[0]}")
+        for file in files:
+            with safe_open(str(file), "pt") as f:
+                for t in plan.tensors:
+                    for s in t.sources:
+                        if where[s.name] == file:
+                            views[t.name][s.row:s.row + s.rows].copy_(f.get_tensor(s.name))
+        return _Loaded()
+
+    return load
+
+
+def _route_uvicorn_logs() -> None:
+    # uvicorn runs with log_config=None (its own config would reset logging): its records join ours.
+    import logging
+
+    ours = logging.getLogger("thawllm")
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+        logger = logging.getLogger(name)
+        logger.handlers = list(ours.handlers)
+        logger.setLevel(ours.level)
+        logger.propagate = False
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""The engine as handlers see it: generate(), abort(), the tokenizer and stats(), nothing else.
+
+Every token a handler streams passes through here, so time to first token, inter-token latency and token
+counts are measured once for every handler, the shipped ones and custom ones alike.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, AsyncIterator
+
+from runtime import timeline as stages
+from runtime.engine.outputs import EngineStats, RequestOutput
+from runtime.engine.sampling_params import SamplingParams
+from runtime.timeline import Timeline
+
+if TYPE_CHECKING:
+    from runtime.engine import Engine
+    from runtime.engine.tokenizer import Tokenizer
+    from runtime.server.metrics import ServerMetrics
+
+
+class EngineView:
+    def __init__(self, engine: "Engine", metrics: "ServerMetrics", timeline: Timeline) -> None:
+        self._engine = engine
+        self._metrics = metrics
+        self._timeline = timeline
+        self._served_first_token = False
+
+    @property
+    def model_name(self) -> str:
+        return self._engine.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self._engine.max_model_len
+
+    @property
+    def tokenizer(self) -> "Tokenizer":
+        return self._engine.tokenizer
+
+    def stats(self) -> EngineStats:
+        return self._engine.stats()
+
+    async def abort(self, request_id: str) -> None:
+        await self._engine.abort(request_id)
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """The engine's stream, measured. Raises InvalidParams before the first output. Closing this
+        generator early (the client went away) closes the engine's, which aborts the request."""
+        metrics = self._metrics
+        started = last = time.perf_counter()
+        first = True
+        stream = self._engine.generate(prompt, params, request_id)
+        try:
+            async for out in stream:
+                if out.token_ids:
+                    now = time.perf_counter()
+                    n = len(out.token_ids)
+                    if first:
+                        metrics.time_to_first_token.observe(now - started)
+                        self._first_token_of_process()
+                        first = False
+                    else:
+                        for _ in range(n):
+                            metrics.inter_token_latency.observe((now - last) / n)
+                    last = now
+                    metrics.generated_tokens.inc(n)
+                if out.finished:
+                    metrics.prompt_tokens.inc(out.prompt_tokens)
+                    metrics.finished_requests.labels(out.finish_reason or "unknown").inc()
+                yield out
+        finally:
+            await stream.aclose()
+
+    def _first_token_of_process(self) -> None:
+        # The cold start ends with the first token the instance serves, not with "ready".
+        if not self._served_first_token:
+            self._served_first_token = True
+            self._timeline.mark(stages.FIRST_TOKEN)

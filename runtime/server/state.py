@@ -1,0 +1,89 @@
+"""What the app knows about the instance it serves for: one object, created before the engine exists.
+
+The bootstrap starts listening with an empty state (every route but /health and /metrics answers 503),
+runs a start path in the background and then fills the state in with `mark_ready()`. Handlers read the
+engine only through `require_engine()`, which hands them the narrow EngineView.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+from runtime import timeline as stages
+from runtime.server.engine_view import EngineView
+from runtime.server.errors import APIError, not_ready
+from runtime.server.metrics import ServerMetrics
+from runtime.timeline import Timeline
+
+if TYPE_CHECKING:  # the engine module imports torch; the server must not need it to start listening
+    from runtime.engine import Engine
+
+Phase = Literal["starting", "ready", "draining", "failed"]
+
+#: the restore paths, fastest first (DESIGN.md, "Restore paths")
+RESTORE_PATHS = ("gpu", "process", "materialized", "cold")
+
+
+@dataclass(frozen=True)
+class StartedEngine:
+    """What a start path hands the server: the engine, the path that produced it, and why each faster
+    path was skipped (path -> reason)."""
+
+    engine: "Engine"
+    restore_path: str
+    skipped: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class AppState:
+    timeline: Timeline
+    #: the name clients use; known from SERVED_MODEL_NAME before the engine is, else from the engine
+    model_name: str | None = None
+    phase: Phase = "starting"
+    engine: EngineView | None = None
+    #: which start path produced the engine, and why each faster one was not taken
+    restore_path: str | None = None
+    skipped: dict[str, str] = field(default_factory=dict)
+    error: str | None = None
+    ready_at: float | None = None
+    metrics: ServerMetrics = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.metrics = ServerMetrics(self)
+
+    # Called on the event loop's thread: the state is read by request handlers without locks.
+    def mark_ready(self, started: StartedEngine) -> None:
+        if started.restore_path not in RESTORE_PATHS:
+            raise ValueError(f"unknown restore path {started.restore_path!r}")
+        self.engine = EngineView(started.engine, self.metrics, self.timeline)
+        self.model_name = self.model_name or started.engine.model_name
+        self.restore_path = started.restore_path
+        self.skipped = dict(started.skipped)
+        self.timeline.mark(stages.READY, restore_path=started.restore_path)
+        self.ready_at = time.time()
+        if self.phase == "starting":
+            self.phase = "ready"
+
+    def mark_failed(self, error: str) -> None:
+        self.error = error
+        self.phase = "failed"
+
+    def begin_drain(self) -> None:
+        """SIGTERM: /health turns 503 and new requests are refused; requests in flight carry on."""
+        if self.phase != "failed":
+            self.phase = "draining"
+
+    @property
+    def ready(self) -> bool:
+        return self.phase == "ready"
+
+    def require_engine(self) -> EngineView:
+        if self.phase == "ready" and self.engine is not None:
+            return self.engine
+        if self.phase == "draining":
+            raise not_ready("the server is shutting down")
+        if self.phase == "failed":
+            raise APIError(503, f"the engine failed to start: {self.error}", code="engine_failed")
+        raise not_ready("the model is still loading")

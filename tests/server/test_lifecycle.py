@@ -1,0 +1,116 @@
+"""The process around the app: bad settings, SIGTERM draining, a custom handler named by HANDLER."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import threading
+import time
+
+import httpx
+import orjson
+import pytest
+
+from tests.server.conftest import REPO, bootstrap_command, server_env, start_server
+
+
+@pytest.mark.parametrize("argv, env, message", [
+    (["--port", "http"], {}, "--port='http': must be a valid port"),
+    ([], {"DEVICE": "tpu"}, "DEVICE='tpu': must be one of auto, cpu, cuda"),
+    (["--model", "/no/such/model"], {}, "MODEL='/no/such/model': no such file or directory"),
+    ([], {"HANDLER": "no_such_module:handler"}, "HANDLER='no_such_module:handler': cannot import"),
+    (["--flag-that-does-not-exist", "1"], {}, "unknown argument"),
+])
+def test_bad_settings_fail_fast_with_one_line(argv, env, message):
+    r = subprocess.run(bootstrap_command() + argv, cwd=REPO, env=server_env(**env), capture_output=True,
+                       text=True, timeout=30)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and lines[0].startswith("faas-bootstrap: ")
+
+
+def test_help_lists_every_setting():
+    r = subprocess.run(bootstrap_command() + ["--help"], cwd=REPO, env=server_env(), capture_output=True,
+                       text=True, timeout=30)
+    assert r.returncode == 0
+    for env in ("MODEL", "PORT", "DEVICE", "SNAPSHOT_DIR", "CACHE_DIR", "API_KEY", "MAX_MODEL_LEN",
+                "MAX_NUM_SEQS", "HANDLER", "LOG_LEVEL", "SHUTDOWN_GRACE_S", "LAMBDA_INVOKE_MODE"):
+        assert f"[env {env}]" in r.stdout
+
+
+def test_sigterm_drains_in_flight_stream_then_exits_0(tiny_model_dir, tmp_path):
+    server = start_server(tmp_path, "drain", MODEL=str(tiny_model_dir), SHUTDOWN_GRACE_S="30")
+    try:
+        server.wait_ready()
+        events: list[bytes] = []
+        first_event, finished = threading.Event(), threading.Event()
+
+        def stream() -> None:
+            body = {"prompt": "drain me", "max_tokens": 600, "ignore_eos": True, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line:
+                        events.append(line.encode())
+                        first_event.set()
+            finished.set()
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert first_event.wait(10)
+        server.process.send_signal(signal.SIGTERM)
+        time.sleep(0.5)  # uvicorn checks for the signal every 0.1 s
+        # Refused while the stream is still running (~3 s of tokens left) and the process still alive:
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{server.url}/health", timeout=2)
+        assert not finished.is_set() and server.process.poll() is None
+        reader.join(30)
+        assert finished.is_set() and events[-1] == b"data: [DONE]"
+        chunks = [orjson.loads(e[6:]) for e in events[:-1]]
+        assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+        assert chunks[-1]["usage"]["completion_tokens"] == 600  # every token of it, none cut off
+        assert server.process.wait(15) == 0
+    finally:
+        server.stop()
+    assert "draining" in server.log()
+
+
+def test_engine_that_cannot_start_exits_1(tiny_model_dir, tmp_path):
+    """A model only found unservable while starting: the server listened (503), then exits non-zero so that
+    the platform restarts it and shows the crash, rather than lingering unready."""
+    model = tmp_path / "not-a-llama"
+    shutil.copytree(tiny_model_dir, model)
+    (model / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
+    server = start_server(tmp_path, "broken", MODEL=str(model))
+    assert server.process.wait(60) == 1
+    assert "the engine failed to start" in server.log() and "GPT2LMHeadModel" in server.log()
+
+
+def test_custom_handler(tiny_model_dir, tmp_path):
+    server = start_server(tmp_path, "custom", MODEL=str(tiny_model_dir),
+                          HANDLER="examples.custom_handler.handler:handler")
+    try:
+        server.wait_ready()
+        r = httpx.post(f"{server.url}/generate", json={"prompt": "hello", "max_tokens": 7})
+        assert r.status_code == 200
+        body = r.json()
+        assert body["tokens"] <= 7 and body["finish_reason"] in ("stop", "length") and isinstance(body["text"], str)
+        r = httpx.post(f"{server.url}/generate", json={"max_tokens": 7})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+        # the example keeps the OpenAI routes, and health and metrics are always there
+        r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hello", "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2
+        assert httpx.get(f"{server.url}/health").json()["status"] == "ready"
+        assert "thawllm_generated_tokens_total" in httpx.get(f"{server.url}/metrics").text
+    finally:
+        assert server.stop() == 0
+
+
+def test_readme_documents_every_setting():
+    from runtime.config import Settings
+
+    readme = (REPO / "README.md").read_text()
+    for f in Settings.fields():
+        flag = "--" + f.name.replace("_", "-")
+        assert f"| `{f.metadata['env']}` | `{flag}` |" in readme, f.metadata["env"]
