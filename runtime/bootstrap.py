@@ -22,8 +22,7 @@ from runtime.server.state import AppState, StartedEngine
 from runtime.timeline import Timeline
 
 if TYPE_CHECKING:
-    from runtime.engine import Engine, EngineConfig
-    from runtime.engine.llm_engine import LoadWeights
+    from runtime.engine import Engine
 
 log = get_logger("bootstrap")
 
@@ -113,33 +112,13 @@ RESTORE_PATHS: dict[str, Callable[[Settings, Timeline], "Engine"]] = {name: _not
 
 def start_cold(settings: Settings, timeline: Timeline) -> "Engine":
     """What vLLM does: import, build, load the weights, profile the KV cache, capture graphs."""
-    from runtime.engine import Engine  # torch and the engine: the bulk of runtime_init
+    from runtime.launch import build_engine, engine_config  # torch and the engine: the bulk of runtime_init
 
     timeline.mark(stages.RUNTIME_INIT)
     model_dir = resolve_model(settings.model)
-    engine = Engine.build(model_dir, _safetensors_loader(model_dir), engine_config(settings), timeline,
-                          served_model_name(settings))
+    engine = build_engine(model_dir, engine_config(settings), timeline, served_model_name(settings))
     engine.start()
     return engine
-
-
-def engine_config(settings: Settings) -> "EngineConfig":
-    import torch
-
-    from runtime.engine import EngineConfig
-
-    device = settings.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    elif device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("DEVICE=cuda but no CUDA device is visible")
-    dtype = settings.dtype if settings.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
-    defaults = EngineConfig()
-    return EngineConfig(
-        device=device, dtype=dtype, max_model_len=settings.max_model_len,
-        max_num_seqs=settings.max_num_seqs or (256 if device == "cuda" else 16),
-        max_num_batched_tokens=settings.max_num_batched_tokens or defaults.max_num_batched_tokens,
-        gpu_memory_utilization=settings.gpu_memory_utilization, enforce_eager=settings.enforce_eager)
 
 
 # -- the model ---------------------------------------------------------------------------------------------
@@ -174,40 +153,6 @@ def served_model_name(settings: Settings) -> str | None:
     if settings.model:
         return settings.model.rstrip("/").rsplit("/", 1)[-1] or settings.model
     return None
-
-
-def _safetensors_loader(model_dir: Path) -> "LoadWeights":
-    """Interim loader (synchronous, one pass over the *.safetensors files) until runtime/weights'
-    pipelined loader replaces it."""
-    from safetensors import safe_open
-
-    from runtime.engine.weight_plan import tensor_views
-
-    class _Loaded:
-        def wait(self) -> None:
-            return None
-
-    def load(plan, buffer):
-        views = tensor_views(buffer, plan)
-        files = sorted(model_dir.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"{model_dir} has no *.safetensors files")
-        where = {}
-        for file in files:
-            with safe_open(str(file), "pt") as f:
-                where.update({name: file for name in f.keys()})
-        missing = [name for name in plan.source_names() if name not in where]
-        if missing:
-            raise ValueError(f"{model_dir}: {len(missing)} weights missing, e.g. {missing[0]}")
-        for file in files:
-            with safe_open(str(file), "pt") as f:
-                for t in plan.tensors:
-                    for s in t.sources:
-                        if where[s.name] == file:
-                            views[t.name][s.row:s.row + s.rows].copy_(f.get_tensor(s.name))
-        return _Loaded()
-
-    return load
 
 
 def _route_uvicorn_logs() -> None:

@@ -6,10 +6,9 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from runtime.engine import Engine, EngineConfig
-from runtime.engine.weight_plan import tensor_views
+from runtime.weights.hf_dir import hf_dir_loader
 
 _COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5)
@@ -46,28 +45,8 @@ def tiny_model_dir(out: Path, preset: str) -> str:
     return str(out)
 
 
-class _Loaded:
-    def wait(self) -> None:
-        return None
-
-
-def load_hf_dir(model_dir):
-    def load(plan, buffer):
-        views = tensor_views(buffer, plan)
-        handles = {}
-        for f in Path(model_dir).glob("*.safetensors"):
-            h = safe_open(str(f), "pt")
-            handles.update({k: h for k in h.keys()})
-        for t in plan.tensors:
-            for s in t.sources:
-                views[t.name][s.row:s.row + s.rows].copy_(handles[s.name].get_tensor(s.name))
-        return _Loaded()
-
-    return load
-
-
 def make_engine(model_dir, **config) -> Engine:
     config.setdefault("device", "cpu")
-    engine = Engine.build(model_dir, load_hf_dir(model_dir), EngineConfig(**config))
+    engine = Engine.build(model_dir, hf_dir_loader(Path(model_dir)), EngineConfig(**config))
     engine.start()
     return engine

@@ -17,15 +17,27 @@ class _Loaded:
 
 
 def hf_dir_loader(model_dir: Path):
+    """A LoadWeights for the engine: one pass over the *.safetensors files, copying each tensor (converted to
+    the engine's dtype) into its rows of the flat buffer."""
+
     def load(plan: WeightPlan, buffer: torch.Tensor) -> _Loaded:
         views = tensor_views(buffer, plan)
-        handles = {}
-        for path in sorted(Path(model_dir).glob("*.safetensors")):
-            f = safe_open(str(path), "pt")
-            handles.update({name: f for name in f.keys()})
-        for t in plan.tensors:
-            for s in t.sources:
-                views[t.name][s.row:s.row + s.rows].copy_(handles[s.name].get_tensor(s.name))
+        files = sorted(Path(model_dir).glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{model_dir} has no *.safetensors files")
+        where = {}
+        for file in files:
+            with safe_open(str(file), "pt") as f:
+                where.update({name: file for name in f.keys()})
+        missing = [name for name in plan.source_names() if name not in where]
+        if missing:
+            raise ValueError(f"{model_dir}: {len(missing)} weights missing, e.g. {missing[0]}")
+        for file in files:
+            with safe_open(str(file), "pt") as f:
+                for t in plan.tensors:
+                    for s in t.sources:
+                        if where[s.name] == file:
+                            views[t.name][s.row:s.row + s.rows].copy_(f.get_tensor(s.name))
         return _Loaded()
 
     return load
