@@ -36,3 +36,21 @@ def write_config_and_tokenizer(out: Path, shape: dict, dtype: str = "bfloat16") 
     tok.train_from_iterator(["The quick brown fox jumps over the lazy dog."] * 20, trainer)
     tok.save(str(out / "tokenizer.json"))
     (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+
+
+def make_random_model_dir(out: Path, shape: str, seed: int = 0) -> Path:
+    """A random-weight bf16 model of a real shape, written as a Hugging Face directory (needs transformers
+    and a GPU for the big shapes: initialised on the GPU, seconds even for 8B)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if (out / "model.safetensors.index.json").exists() or (out / "model.safetensors").exists():
+        return out
+    write_config_and_tokenizer(out, SHAPES[shape])
+    torch.manual_seed(seed)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(out), dtype=torch.bfloat16)
+    model.save_pretrained(out)
+    del model
+    return out
