@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from runtime.engine import EngineConfig  # noqa: E402
 
-CONFIG = dict(device="cuda", dtype="bfloat16", max_model_len=4096, gpu_memory_utilization=0.9)
+CONFIG = dict(device="cuda", dtype="bfloat16", max_model_len=4096, max_num_seqs=256, gpu_memory_utilization=0.9)
 STAGES = ("cuda_init", "weights", "kv_cache", "cuda_graphs")
 
 

@@ -57,8 +57,10 @@ def bake_materialized(model_dir: Path, config: EngineConfig, snapshot_dir: Path)
     materialized = capture_and_describe(runner)
     capture_s = time.perf_counter() - t0
     if materialized.problems:
+        blocks = runner.num_kv_blocks
+        del runner
         engine.shutdown()
-        return BakeReport(runner.num_kv_blocks, 0, capture_s, False, materialized.problems)
+        return BakeReport(blocks, 0, capture_s, False, materialized.problems)
     expected = probe_graphs(runner)
     final = snapshot_dir / DIRNAME
     tmp = Path(tempfile.mkdtemp(prefix=f".{DIRNAME}-", dir=snapshot_dir))
@@ -69,8 +71,8 @@ def bake_materialized(model_dir: Path, config: EngineConfig, snapshot_dir: Path)
         profile = engine.kv_profile or KVProfile(runner.num_kv_blocks, runner.kv_block_bytes, 0, 0, 0)
         (tmp / "kvprofile.json").write_text(json.dumps(profile.as_dict(), indent=1))
         (tmp / "engine.json").write_text(json.dumps({"model_dir": str(model_dir), "config": asdict(config)}))
+        del runner  # the last reference besides the engine's: shutdown can then hand the memory back
         engine.shutdown()
-        del engine, runner
         restored = _validate_in_new_process(tmp)
         differ = sorted(bs for bs, digest in expected.items() if restored.get(str(bs)) != digest)
         if differ:
@@ -88,7 +90,8 @@ def _validate_in_new_process(directory: Path) -> dict[str, str]:
     result = subprocess.run([sys.executable, "-m", "snapshots.materialized", "--probe", str(directory)],
                             capture_output=True, text=True, timeout=1800)
     if result.returncode != 0:
-        raise MaterializeError(f"validation process failed: {result.stderr.strip().splitlines()[-1:]}")
+        tail = "\n".join(result.stderr.strip().splitlines()[-25:])
+        raise MaterializeError(f"validation process failed:\n{tail}")
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 

@@ -38,7 +38,8 @@ def greedy(engine):
 @pytest.mark.parametrize("shape", ["smollm2-135m", "qwen2-1.5b"])
 def test_restored_graphs_are_bit_identical_and_generate_the_same(shape, gpu_model, tmp_path):
     model_dir = gpu_model(shape)
-    config = EngineConfig(device="cuda", dtype="bfloat16", max_model_len=1024, gpu_memory_utilization=0.5)
+    config = EngineConfig(device="cuda", dtype="bfloat16", max_model_len=1024, max_num_seqs=256,
+                          gpu_memory_utilization=0.5)
     report = bake_materialized(model_dir, config, tmp_path)
     assert report.validated, report.problems
     assert report.graphs == 35  # 1, 2, 4 and every multiple of 8 up to 256, each checked bit for bit

@@ -31,25 +31,27 @@ def describe_graph(graph: int, batch_size: int, regions: RegionIndex, blob: byte
     problems: list[str] = []
     functions: dict[str, set[int]] = {}
     for handle in handles:
-        deps = [position[d] for d in cu.node_dependencies(handle)]
+        incoming = cu.node_dependencies(handle)
+        deps = [position[d] for d, _ in incoming]
         kind = cu.node_type(handle)
         if kind == cu.NODE_KERNEL:
             node, func = _kernel_node(handle, deps, regions, blob, problems)
             functions.setdefault(node.name, set()).add(func)
-            nodes.append(node)
         elif kind == cu.NODE_MEMSET:
-            nodes.append(_memset_node(handle, deps, regions, problems))
-        elif kind == cu.NODE_EMPTY:
-            nodes.append(EmptyNode(deps))
+            node = _memset_node(handle, deps, regions, problems)
         else:
-            problems.append(f"unsupported {cu.NODE_TYPE_NAMES.get(kind, kind)} node")
-            nodes.append(EmptyNode(deps))
+            if kind != cu.NODE_EMPTY:
+                problems.append(f"unsupported {cu.NODE_TYPE_NAMES.get(kind, kind)} node")
+            node = EmptyNode(deps)
+        if any(edge != (0, 0, 0) for _, edge in incoming):
+            node.edges = [edge for _, edge in incoming]
+        nodes.append(node)
     return Description(GraphRecord(batch_size, nodes), problems, functions)
 
 
 def topological_order(graph: int) -> list[int]:
     handles = cu.graph_nodes(graph)
-    deps = {h: cu.node_dependencies(h) for h in handles}
+    deps = {h: [d for d, _ in cu.node_dependencies(h)] for h in handles}
     done: set[int] = set()
     order: list[int] = []
     pending = list(handles)

@@ -78,18 +78,39 @@ def node_type(node: int) -> int:
     return kind.value
 
 
-def node_dependencies(node: int) -> list[int]:
-    # The _v2 entry point (CUDA 12.3+) takes edge data; CUDA 13 headers map the plain name to it, so the
-    # versioned symbol is named explicitly to get one known signature. Edge data is not needed: captured
-    # decode graphs only have default (full) dependencies.
+class EdgeData(ctypes.Structure):
+    _fields_ = [("from_port", ctypes.c_ubyte), ("to_port", ctypes.c_ubyte), ("type", ctypes.c_ubyte),
+                ("reserved", ctypes.c_ubyte * 5)]
+
+
+def node_dependencies(node: int) -> list[tuple[int, tuple[int, int, int]]]:
+    """(dependency, (from_port, to_port, type)) for each incoming edge. Edge data matters: cuBLAS kernels that
+    use programmatic dependent launch are joined by programmatic edges, not plain ones."""
+    # The _v2 entry point (CUDA 12.3+) returns edge data; CUDA 13 headers map the plain name to it, so the
+    # versioned symbol is named explicitly to get one known signature.
     get = lib().cuGraphNodeGetDependencies_v2
     count = c_size_t(0)
     check(get(c_void_p(node), None, None, byref(count)), "cuGraphNodeGetDependencies")
     if count.value == 0:
         return []
     deps = (c_void_p * count.value)()
-    check(get(c_void_p(node), deps, None, byref(count)), "cuGraphNodeGetDependencies")
-    return [d or 0 for d in deps[: count.value]]
+    edges = (EdgeData * count.value)()
+    check(get(c_void_p(node), deps, edges, byref(count)), "cuGraphNodeGetDependencies")
+    return [(deps[i] or 0, (edges[i].from_port, edges[i].to_port, edges[i].type)) for i in range(count.value)]
+
+
+def add_dependencies(graph: int, edges: list[tuple[int, int, tuple[int, int, int]]]) -> None:
+    """Add (from node, to node, (from_port, to_port, type)) edges in one call."""
+    if not edges:
+        return
+    n = len(edges)
+    sources = (c_void_p * n)(*[e[0] for e in edges])
+    targets = (c_void_p * n)(*[e[1] for e in edges])
+    data = (EdgeData * n)()
+    for i, (_, _, (from_port, to_port, kind)) in enumerate(edges):
+        data[i].from_port, data[i].to_port, data[i].type = from_port, to_port, kind
+    check(lib().cuGraphAddDependencies_v2(c_void_p(graph), sources, targets, data, c_size_t(n)),
+          "cuGraphAddDependencies")
 
 
 def kernel_node_params(node: int) -> KernelNodeParams:
@@ -177,24 +198,26 @@ def create_graph() -> int:
     return graph.value
 
 
-def add_kernel_node(graph: int, deps: ctypes.Array, num_deps: int, params: KernelNodeParams) -> int:
+# Nodes are added without dependencies; add_dependencies then adds every edge with its edge data.
+
+def add_kernel_node(graph: int, params: KernelNodeParams) -> int:
     node = c_void_p()
-    check(lib().cuGraphAddKernelNode_v2(byref(node), c_void_p(graph), deps, c_size_t(num_deps), byref(params)),
+    check(lib().cuGraphAddKernelNode_v2(byref(node), c_void_p(graph), None, c_size_t(0), byref(params)),
           "cuGraphAddKernelNode")
     return node.value
 
 
-def add_memset_node(graph: int, deps: ctypes.Array, num_deps: int, params: MemsetNodeParams) -> int:
+def add_memset_node(graph: int, params: MemsetNodeParams) -> int:
     node, ctx = c_void_p(), c_void_p()
     check(lib().cuCtxGetCurrent(byref(ctx)), "cuCtxGetCurrent")
-    check(lib().cuGraphAddMemsetNode(byref(node), c_void_p(graph), deps, c_size_t(num_deps), byref(params), ctx),
+    check(lib().cuGraphAddMemsetNode(byref(node), c_void_p(graph), None, c_size_t(0), byref(params), ctx),
           "cuGraphAddMemsetNode")
     return node.value
 
 
-def add_empty_node(graph: int, deps: ctypes.Array, num_deps: int) -> int:
+def add_empty_node(graph: int) -> int:
     node = c_void_p()
-    check(lib().cuGraphAddEmptyNode(byref(node), c_void_p(graph), deps, c_size_t(num_deps)), "cuGraphAddEmptyNode")
+    check(lib().cuGraphAddEmptyNode(byref(node), c_void_p(graph), None, c_size_t(0)), "cuGraphAddEmptyNode")
     return node.value
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import orjson
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 ALLOC = "alloc"      # an engine allocation (runtime/engine/allocator.py), by log index
 SEGMENT = "segment"  # a scratch segment of the torch allocator (graph pool, library workspaces), by ordinal
@@ -40,6 +40,7 @@ class KernelNode:
     relocations: list[Relocation]
     attributes: dict[int, str] = field(default_factory=dict)  # launch attribute id -> base64 of 64 raw bytes
     deps: list[int] = field(default_factory=list)
+    edges: list[tuple[int, int, int]] | None = None  # (from_port, to_port, type) per dep, when not all default
     kind: str = "kernel"
 
 
@@ -52,12 +53,14 @@ class MemsetNode:
     height: int
     pitch: int
     deps: list[int] = field(default_factory=list)
+    edges: list[tuple[int, int, int]] | None = None
     kind: str = "memset"
 
 
 @dataclass
 class EmptyNode:
     deps: list[int] = field(default_factory=list)
+    edges: list[tuple[int, int, int]] | None = None
     kind: str = "empty"
 
 
@@ -106,6 +109,8 @@ class GraphSet:
 
 def _node(raw: dict) -> Node:
     kind = raw.pop("kind")
+    if raw.get("edges") is not None:
+        raw["edges"] = [tuple(e) for e in raw["edges"]]
     if kind == "kernel":
         raw["relocations"] = [Relocation(**r) for r in raw["relocations"]]
         raw["attributes"] = {int(k): v for k, v in raw["attributes"].items()}

@@ -114,21 +114,24 @@ def build_graph(record: GraphRecord, blob_address: int, handles: dict[str, int],
     try:
         nodes: list[int] = []
         attributes: dict[str, bytes] = {}
+        # Nodes first, then every edge (with its type: programmatic edges included) in one call.
         for node in record.nodes:
-            deps = (c_void_p * max(len(node.deps), 1))(*[nodes[i] for i in node.deps])
             if isinstance(node, KernelNode):
-                nodes.append(_add_kernel(graph, deps, node, blob_address, handles, attributes))
+                nodes.append(_add_kernel(graph, node, blob_address, handles, attributes))
             elif isinstance(node, MemsetNode):
-                nodes.append(cu.add_memset_node(graph, deps, len(node.deps), _memset_params(node, bases)))
+                nodes.append(cu.add_memset_node(graph, _memset_params(node, bases)))
             elif isinstance(node, EmptyNode):
-                nodes.append(cu.add_empty_node(graph, deps, len(node.deps)))
+                nodes.append(cu.add_empty_node(graph))
+        edges = [(nodes[dep], nodes[i], node.edges[j] if node.edges else (0, 0, 0))
+                 for i, node in enumerate(record.nodes) for j, dep in enumerate(node.deps)]
+        cu.add_dependencies(graph, edges)
         return RestoredGraph(graph, cu.instantiate(graph))
     except BaseException:
         cu.destroy_graph(graph)
         raise
 
 
-def _add_kernel(graph, deps, node: KernelNode, blob_address: int, handles: dict[str, int],
+def _add_kernel(graph: int, node: KernelNode, blob_address: int, handles: dict[str, int],
                 attributes: dict[str, bytes]) -> int:
     params = cu.KernelNodeParams(func=handles[node.name], gridDimX=node.grid[0], gridDimY=node.grid[1],
                                  gridDimZ=node.grid[2], blockDimX=node.block[0], blockDimY=node.block[1],
@@ -139,7 +142,7 @@ def _add_kernel(graph, deps, node: KernelNode, blob_address: int, handles: dict[
         extra = (c_void_p * 5)(cu.LAUNCH_PARAM_BUFFER_POINTER, blob_address + node.params_offset,
                                cu.LAUNCH_PARAM_BUFFER_SIZE, ctypes.addressof(size), cu.LAUNCH_PARAM_END)
         params.extra = ctypes.cast(extra, POINTER(c_void_p))
-    handle = cu.add_kernel_node(graph, deps, len(node.deps), params)
+    handle = cu.add_kernel_node(graph, params)
     for attribute, encoded in node.attributes.items():
         raw = attributes.get(encoded)
         if raw is None:
