@@ -178,8 +178,6 @@ def _write_weights(reader: "GGUFReader", config: dict[str, Any], path: Path) -> 
 
 # -- tokenizer ------------------------------------------------------------------------------------------
 
-#: llama.cpp's pre-tokenizer regexes by `tokenizer.ggml.pre` (llama-vocab.cpp), as Hugging Face
-#: pre-tokenizer factories; the same split the original tokenizer.json makes.
 def _digits_then_gpt2():
     from tokenizers import pre_tokenizers
 
@@ -203,6 +201,8 @@ def _llama3():
                                     pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
 
 
+#: `tokenizer.ggml.pre` -> the Hugging Face pre-tokenizer that splits text as llama.cpp's regexes for it do
+#: (llama-vocab.cpp), i.e. as the model's original tokenizer.json did
 PRE_TOKENIZERS = {
     "smollm": _digits_then_gpt2, "starcoder": _digits_then_gpt2, "refact": _digits_then_gpt2,
     "codeshell": _digits_then_gpt2, "gpt-2": _gpt2, "default": _gpt2,
