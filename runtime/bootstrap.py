@@ -115,7 +115,7 @@ def start_cold(settings: Settings, timeline: Timeline) -> "Engine":
     from runtime.launch import build_engine, engine_config  # torch and the engine: the bulk of runtime_init
 
     timeline.mark(stages.RUNTIME_INIT)
-    model_dir = resolve_model(settings.model)
+    model_dir = resolve_model(settings.model, settings.cache_dir)
     engine = build_engine(model_dir, engine_config(settings), timeline, served_model_name(settings))
     engine.start()
     return engine
@@ -126,33 +126,48 @@ def start_cold(settings: Settings, timeline: Timeline) -> "Engine":
 def check_model_ref(model: str | None) -> None:
     """Fail before listening on a MODEL that cannot be right; what can only be known by loading (a
     corrupt or unsupported model) fails in the start path."""
-    if model is None or model.startswith("s3://"):
+    if model is None:
+        from runtime.weights.embedded import EmbeddedModelMissing, embedded_gguf_path
+
+        try:
+            embedded_gguf_path()
+        except EmbeddedModelMissing as exc:
+            raise ConfigError(str(exc)) from None
+        return
+    if model.startswith("s3://"):
         return
     path = Path(model).expanduser()
     if not path.exists():
         raise ConfigError(f"MODEL={model!r}: no such file or directory")
 
 
-def resolve_model(model: str | None) -> Path:
-    """MODEL -> a local Hugging Face model directory."""
-    # TODO(weights): the embedded SmolLM2 (MODEL unset), GGUF files, faas-build layouts and s3:// prefixes
-    # resolve through runtime/weights once it lands; until then only local directories are served.
+def resolve_model(model: str | None, cache_dir: Path) -> Path:
+    """MODEL -> a local Hugging Face model directory. A GGUF (the embedded SmolLM2 when MODEL is unset) is
+    imported into the cache directory on its first start and reused afterwards."""
+    # TODO(weights): faas-build layouts and s3:// prefixes resolve through runtime/weights once they land.
     if model is None:
-        raise RuntimeError("MODEL is not set and this build cannot import the embedded SmolLM2 GGUF yet: "
-                           "set MODEL to a Hugging Face model directory")
+        from runtime.weights.embedded import embedded_model_dir
+
+        return embedded_model_dir(cache_dir)
     path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        from runtime.weights.gguf_import import imported_model_dir
+
+        return imported_model_dir(path, cache_dir)
     if not (path.is_dir() and (path / "config.json").exists()):
-        raise RuntimeError(f"MODEL={model!r} is not a Hugging Face model directory (no config.json); "
-                           "GGUF files, layouts and s3:// need runtime/weights")
+        raise RuntimeError(f"MODEL={model!r} is neither a GGUF file nor a Hugging Face model directory "
+                           "(no config.json); layouts and s3:// need runtime/weights")
     return path
 
 
 def served_model_name(settings: Settings) -> str | None:
     if settings.served_model_name:
         return settings.served_model_name
-    if settings.model:
-        return settings.model.rstrip("/").rsplit("/", 1)[-1] or settings.model
-    return None
+    if settings.model is None:
+        from runtime.weights.embedded import SERVED_NAME
+
+        return SERVED_NAME
+    return settings.model.rstrip("/").rsplit("/", 1)[-1] or settings.model
 
 
 def _route_uvicorn_logs() -> None:
