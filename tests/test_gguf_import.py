@@ -88,6 +88,7 @@ def test_greedy_output_matches_transformers_reading_the_same_gguf(engine, refere
         return await asyncio.gather(*[engine_greedy(engine, p) for p in prompts])
 
     assert [ids(o) for o in asyncio.run(all_at_once())] == expected
+    assert engine.stats().kv_blocks_used == 0
 
 
 def test_weights_equal_transformers_dequantisation_bit_for_bit(imported, reference):
