@@ -112,6 +112,7 @@ def plot_trace(points: list[dict[str, Any]], path: Path, title: str) -> None:
     by_throughput.set(xlabel="throughput (requests/s)", ylabel="p99 TTFT (s)", title="p99 TTFT vs throughput")
     cdf.set(xlabel="TTFT (s)", ylabel="share of requests", title="TTFT distribution")
     for ax in (by_rate, by_throughput, cdf):
+        ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
