@@ -124,3 +124,16 @@ def test_overlapping_stages_are_drawn_on_separate_lanes_of_a_bar():
               {"start_s": 1.5, "end_s": 2.5},  # under the weights: a second lane
               {"start_s": 3.0, "end_s": 3.2}]
     assert assign_lanes(stages) == [0, 0, 1, 0]
+
+
+def test_a_server_that_cannot_start_is_reported_failed_with_its_error(tmp_path):
+    not_a_model = tmp_path / "empty"
+    not_a_model.mkdir()
+    done = faas_bench("coldstart", "--model", str(not_a_model), "--device", "cpu", "--modes", "cold,transformers",
+                      "--repeat", "2", "--out", str(tmp_path / "out"))
+    assert done.returncode == 1, done.stderr[-3000:]
+    modes = json.loads((tmp_path / "out" / "coldstart.json").read_text())["modes"]
+    assert modes["cold"]["status"] == "failed"
+    assert modes["cold"]["reason"].startswith("the cold server failed to start: ")  # then the server's error
+    assert modes["transformers"]["status"] == "skipped" and "Hugging Face" in modes["transformers"]["reason"]
+    assert (tmp_path / "out" / "coldstart.png").read_bytes().startswith(PNG_MAGIC)

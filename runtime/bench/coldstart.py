@@ -14,7 +14,7 @@ import httpx
 from runtime.bench import BenchError
 from runtime.bench.client import stream_completion
 from runtime.bench.hf_baseline import run_baseline, unavailable_reason
-from runtime.bench.instance import Instance, InstanceFailed, child_environment
+from runtime.bench.instance import Instance, ModeUnavailable, child_environment
 from runtime.bench.page_cache import drop_page_cache, warm_page_cache
 from runtime.bench.prompt import PromptMaker
 from runtime.bench.records import BASELINE_MODE, ModeResult, StartRun, stages_from_durations
@@ -61,24 +61,22 @@ async def run_coldstart(plan: ColdStartPlan) -> list[ModeResult]:
                                                  log_path, plan.timeout_s)
                     else:
                         run = await _start_server_once(client, plan, mode, prompt, page_cache, log_path)
-                except (InstanceFailed, BenchError) as exc:
+                except ModeUnavailable as why:
+                    results[mode] = ModeResult(mode, "skipped", str(why))
+                except BenchError as exc:
                     results[mode] = ModeResult(mode, "failed", str(exc), result.runs)
-                    continue
-                if isinstance(run, str):
-                    results[mode] = ModeResult(mode, "skipped", run)
                 else:
                     result.runs.append(run)
     return list(results.values())
 
 
 async def _start_server_once(client: httpx.AsyncClient, plan: ColdStartPlan, mode: str, prompt, page_cache: str,
-                             log_path: Path) -> StartRun | str:
-    """A StartRun, or the reason the server took another path than `mode`."""
+                             log_path: Path) -> StartRun:
+    """Raises ModeUnavailable when the server took another path than `mode`."""
     instance = Instance.spawn(mode, plan.settings, log_path)
     try:
-        health = await instance.wait_ready(client, plan.timeout_s)
-        if health.get("restore_path") != mode:
-            return health.get("skipped", {}).get(mode) or f"the server took the {health.get('restore_path')} path"
+        await instance.wait_ready(client, plan.timeout_s)
+        instance.check_restore_path()
         timing = await stream_completion(client, instance.url, prompt, plan.max_tokens, plan.timeout_s,
                                           every_token=True)
         if not timing.ok:

@@ -25,6 +25,11 @@ class InstanceFailed(BenchError):
     """The server exited, reported a failed start, or was not ready in time."""
 
 
+class ModeUnavailable(BenchError):
+    """The server came up on another restore path than the mode asked for (the mode's snapshot is absent,
+    stale or unsupported here); the message is the server's reason."""
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -88,6 +93,12 @@ class Instance:
                 raise InstanceFailed(f"the {self.mode} server failed to start: {body.get('error')}")
             await asyncio.sleep(poll_s)
         raise InstanceFailed(f"the {self.mode} server was not ready after {timeout:.0f} s: {self.log_tail()}")
+
+    def check_restore_path(self) -> None:
+        """Raise ModeUnavailable unless the ready server took the path this instance was started for."""
+        taken = self.health.get("restore_path")
+        if taken != self.mode:
+            raise ModeUnavailable(self.health.get("skipped", {}).get(self.mode) or f"the server took the {taken} path")
 
     async def fetch_health(self, client: httpx.AsyncClient) -> dict:
         response = await client.get(f"{self.url}/health", timeout=10)

@@ -22,11 +22,6 @@ from runtime.logs import get_logger
 log = get_logger("bench")
 
 
-class ModeUnavailable(BenchError):
-    """An instance came up on another restore path than the mode asked for (its snapshot is absent or
-    unsupported here): the reason is the server's."""
-
-
 @dataclass(frozen=True)
 class ScalePolicy:
     max_instances: int = 4
@@ -129,17 +124,14 @@ class InstancePool:
         _track(self._bringing_up, self._bring_up(member))
 
     async def _bring_up(self, member: Member) -> None:
+        instance, record = member.instance, self.starts[member.index]
         try:
-            health = await member.instance.wait_ready(self._client, self._timeout_s)
+            health = await instance.wait_ready(self._client, self._timeout_s)
+            record.spawn_to_ready_s = round(instance.ready_at - instance.spawned_at, 6)
+            record.restore_path = health.get("restore_path")
+            instance.check_restore_path()
         except BenchError as exc:
             self._fail(exc)
-            return
-        record = self.starts[member.index]
-        record.spawn_to_ready_s = round(member.instance.ready_at - member.instance.spawned_at, 6)
-        record.restore_path = health.get("restore_path")
-        if record.restore_path != self.mode:
-            reason = health.get("skipped", {}).get(self.mode) or f"the server took the {record.restore_path} path"
-            self._fail(ModeUnavailable(reason))
             return
         member.ready = True
         member.idle_since = time.monotonic()

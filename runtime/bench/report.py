@@ -11,6 +11,7 @@ from typing import Any
 import orjson
 
 from runtime.bench.records import ModeResult, StartRun
+from runtime.bench.trace import TracePoint
 from runtime.timeline import STAGE_ORDER
 
 
@@ -62,6 +63,23 @@ def coldstart_table(results: list[ModeResult]) -> str:
 def coldstart_json(results: list[ModeResult], context: dict[str, Any]) -> dict[str, Any]:
     return {**context, "modes": {r.mode: {**dataclasses.asdict(r), "summary": coldstart_summary(r)}
                                  for r in results}}
+
+
+def trace_table(points: list[TracePoint]) -> str:
+    head = ["mode", "rate (req/s)", "requests", "completed", "errors", "p50 TTFT (s)", "p99 TTFT (s)",
+            "throughput (req/s)", "output tok/s", "instances started", "spawn → ready (s), median"]
+    rows = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for p in points:
+        if p.status != "ok":
+            cells = [p.mode, f"{p.rate:g}", f"{p.status}: {p.reason}"] + [""] * (len(head) - 3)
+        else:
+            ready = [s.spawn_to_ready_s for s in p.instances if s.spawn_to_ready_s is not None]
+            cells = [p.mode, f"{p.rate:g}", str(p.requests), str(p.completed), str(p.error_count),
+                     f"{p.ttft_p50_s:.3f}", f"{p.ttft_p99_s:.3f}", f"{p.throughput_rps:.2f}",
+                     f"{p.output_tokens_per_s:.1f}", str(len(p.instances)),
+                     f"{statistics.median(ready):.3f}" if ready else ""]
+        rows.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
+    return "\n".join(rows)
 
 
 def write_json(path: Path, data: Any) -> None:

@@ -15,7 +15,8 @@ import numpy
 
 from runtime.bench import BenchError
 from runtime.bench.client import RequestTiming, stream_completion
-from runtime.bench.pool import InstancePool, ModeUnavailable, ScalePolicy, StartRecord
+from runtime.bench.instance import ModeUnavailable
+from runtime.bench.pool import InstancePool, ScalePolicy, StartRecord
 from runtime.bench.prompt import PromptMaker
 from runtime.bench.workload import TraceRequest
 
@@ -57,9 +58,11 @@ async def run_trace_point(mode: str, rate: float, workload: list[TraceRequest], 
             sends = []
             for request in workload:
                 await asyncio.sleep(max(0.0, start + request.arrival_s - time.time()))
+                if pool.failure:  # the mode cannot run here: the rest of the trace would only fail
+                    break
                 prompt = prompts.prompt(request.prompt_tokens, rng)
                 sends.append(asyncio.create_task(_send(pool, client, prompt, request.output_tokens, timeout_s)))
-            timings = await asyncio.gather(*sends)
+            sent = await asyncio.gather(*sends)
         finally:
             scaler.cancel()
             await pool.close()
@@ -69,38 +72,37 @@ async def run_trace_point(mode: str, rate: float, workload: list[TraceRequest], 
     elif pool.failure is not None:
         point.status, point.reason = "failed", str(pool.failure)
     else:
-        _summarise(point, timings, start)
+        _summarise(point, sent, start)
     return point
 
 
 async def _send(pool: InstancePool, client: httpx.AsyncClient, prompt, max_tokens: int,
-                timeout_s: float) -> RequestTiming:
+                timeout_s: float) -> tuple[float, RequestTiming]:
+    """(arrival time, timing): TTFT counts from the arrival, so time spent waiting for an instance counts."""
     arrived = time.time()
     try:
         member = await pool.acquire()
     except BenchError as exc:
-        return RequestTiming(sent_at=arrived, finished_at=time.time(), error=str(exc))
+        return arrived, RequestTiming(sent_at=arrived, finished_at=time.time(), error=str(exc))
     try:
-        timing = await stream_completion(client, member.url, prompt, max_tokens, timeout_s, every_token=True)
+        return arrived, await stream_completion(client, member.url, prompt, max_tokens, timeout_s, every_token=True)
     finally:
         pool.release(member)
-    timing.sent_at = arrived  # TTFT counts from arrival: time spent waiting for an instance included
-    return timing
 
 
-def _summarise(point: TracePoint, timings: list[RequestTiming], start: float) -> None:
-    done = [t for t in timings if t.ok]
-    failed = [t for t in timings if not t.ok]
+def _summarise(point: TracePoint, sent: list[tuple[float, RequestTiming]], start: float) -> None:
+    done = [(arrived, t) for arrived, t in sent if t.ok]
+    failed = [t for _, t in sent if not t.ok]
     point.completed, point.error_count = len(done), len(failed)
     point.errors = [t.error or "no token" for t in failed[:_ERRORS_KEPT]]
     if not done:
         point.status, point.reason = "failed", f"no request completed ({point.errors[:1]})"
         return
-    ttfts = [t.first_token_at - t.sent_at for t in done]
+    ttfts = [t.first_token_at - arrived for arrived, t in done]
     point.ttfts_s = [round(x, 6) for x in ttfts]
     point.ttft_p50_s = round(float(numpy.percentile(ttfts, 50)), 6)
     point.ttft_p99_s = round(float(numpy.percentile(ttfts, 99)), 6)
     point.ttft_mean_s = round(float(numpy.mean(ttfts)), 6)
-    span = max(t.finished_at for t in done) - start
+    span = max(t.finished_at for _, t in done) - start
     point.throughput_rps = round(len(done) / span, 6)
-    point.output_tokens_per_s = round(sum(t.completion_tokens for t in done) / span, 3)
+    point.output_tokens_per_s = round(sum(t.completion_tokens for _, t in done) / span, 3)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -13,7 +12,7 @@ from runtime.bench.machine import describe_machine
 from runtime.bench.plots import plot_trace
 from runtime.bench.pool import ScalePolicy
 from runtime.bench.prompt import PromptMaker
-from runtime.bench.report import write_json
+from runtime.bench.report import trace_table, write_json
 from runtime.bench.trace import TracePoint, run_trace_point
 from runtime.bench.workload import WorkloadShape, make_workload
 from runtime.logs import get_logger
@@ -60,23 +59,6 @@ async def run_trace_command(args: argparse.Namespace, settings: dict[str, str]) 
     print(table)
     print(f"\nwrote {args.out / 'trace.json'}, {args.out / 'trace.md'}" + (f", {args.out / 'trace.png'}" if ran else ""))
     return 1 if any(p.status == "failed" for p in points) else 0
-
-
-def trace_table(points: list[TracePoint]) -> str:
-    head = ["mode", "rate (req/s)", "requests", "completed", "errors", "p50 TTFT (s)", "p99 TTFT (s)",
-            "throughput (req/s)", "output tok/s", "instances started", "spawn → ready (s), median"]
-    rows = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
-    for p in points:
-        if p.status != "ok":
-            cells = [p.mode, f"{p.rate:g}", f"{p.status}: {p.reason}"] + [""] * (len(head) - 3)
-        else:
-            ready = [s.spawn_to_ready_s for s in p.instances if s.spawn_to_ready_s is not None]
-            cells = [p.mode, f"{p.rate:g}", str(p.requests), str(p.completed), str(p.error_count),
-                     f"{p.ttft_p50_s:.3f}", f"{p.ttft_p99_s:.3f}", f"{p.throughput_rps:.2f}",
-                     f"{p.output_tokens_per_s:.1f}", str(len(p.instances)),
-                     f"{statistics.median(ready):.3f}" if ready else ""]
-        rows.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
-    return "\n".join(rows)
 
 
 def context_length(model: str | None, settings: dict[str, str]) -> int:
