@@ -90,6 +90,8 @@ def test_trace_measures_ttft_including_the_cold_start_of_each_instance(tiny_mode
         # the pool starts empty: the first request waits for a whole cold start
         first_ready = min(i["spawn_to_ready_s"] for i in point["instances"] if i["spawn_to_ready_s"])
         assert point["ttfts_s"][0] >= first_ready
+    # at 3 requests/s three requests wait within 0.5 s, long before a first start ends: a second is started
+    assert len(report["points"][1]["instances"]) == 2
     assert (tmp_path / "trace.png").read_bytes().startswith(PNG_MAGIC)
     assert "| cold | 3 |" in done.stdout
 

@@ -131,6 +131,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="queued requests per starting instance that trigger one more start (4)")
     trace.add_argument("--idle-timeout", type=_positive(float), default=30.0,
                        help="an instance idle this long is retired (30 s)")
+    trace.add_argument("--gpus", type=lambda t: tuple(g.strip() for g in t.split(",") if g.strip()), default=(),
+                       help="spread instances over these GPUs, round robin, e.g. 0,1 (default: all see all)")
     return parser
 
 

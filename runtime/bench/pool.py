@@ -28,6 +28,8 @@ class ScalePolicy:
     slots: int = 16  # requests in flight per instance before more wait at the router
     queue_threshold: int = 4  # one more start per this many waiting requests
     idle_timeout_s: float = 30.0
+    #: GPUs to spread instances over, round robin (CUDA_VISIBLE_DEVICES); empty: every instance sees all
+    gpus: tuple[str, ...] = ()
 
 
 @dataclass
@@ -116,7 +118,10 @@ class InstancePool:
 
     def _spawn(self) -> None:
         index = len(self.starts)
-        instance = Instance.spawn(self.mode, self.settings, self._log_dir / f"{self.mode}-{index + 1}.log")
+        settings = self.settings
+        if self.policy.gpus:
+            settings = settings | {"CUDA_VISIBLE_DEVICES": self.policy.gpus[index % len(self.policy.gpus)]}
+        instance = Instance.spawn(self.mode, settings, self._log_dir / f"{self.mode}-{index + 1}.log")
         member = Member(instance, index)
         self._members.append(member)
         self.starts.append(StartRecord(None, None))

@@ -24,7 +24,7 @@ _DEFAULT_CONTEXT = 4096
 
 
 async def run_trace_command(args: argparse.Namespace, settings: dict[str, str]) -> int:
-    policy = ScalePolicy(args.max_instances, args.slots, args.queue_threshold, args.idle_timeout)
+    policy = ScalePolicy(args.max_instances, args.slots, args.queue_threshold, args.idle_timeout, args.gpus)
     max_len = args.max_len or context_length(args.model, settings)
     prompts = PromptMaker(args.model)
     points: list[TracePoint] = []
