@@ -77,8 +77,8 @@ class Instance:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise InstanceFailed(f"the {self.mode} server exited with {self.process.returncode}: "
-                                     f"{self.log_tail()}")
+                raise InstanceFailed(f"the {self.mode} server failed to start: it exited with "
+                                     f"{self.process.returncode}: {self.log_tail()}")
             try:
                 response = await client.get(f"{self.url}/health", timeout=5)
             except httpx.TransportError:  # not listening yet
