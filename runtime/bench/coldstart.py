@@ -41,7 +41,8 @@ async def run_coldstart(plan: ColdStartPlan) -> list[ModeResult]:
     results = {mode: ModeResult(mode) for mode in plan.modes}
     prompt = PromptMaker(plan.model).prompt(plan.prompt_tokens)
     if BASELINE_MODE in results:
-        reason = unavailable_reason(plan.model) or (None if isinstance(prompt, list) else "no tokenizer.json")
+        reason = unavailable_reason(plan.model) or (
+            None if isinstance(prompt, list) else "the model directory has no tokenizer.json")
         if reason:
             results[BASELINE_MODE] = ModeResult(BASELINE_MODE, "skipped", reason)
     if plan.page_cache == "warm":

@@ -62,10 +62,11 @@ class Instance:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         spawned_at = time.time()
         with open(log_path, "wb") as log:
+            # its own process group: stop() reaches whatever the bootstrap starts (a CRIU restore, workers)
             process = subprocess.Popen([sys.executable, "-m", "runtime.bootstrap"], cwd=SOURCE_ROOT,
                                        env=child_environment(settings | {"PORT": str(port), "HOST": "127.0.0.1",
                                                                          "RESTORE": mode}, spawned_at),
-                                       stdout=log, stderr=subprocess.STDOUT)
+                                       stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         return cls(mode, process, port, spawned_at, log_path)
 
     @property
@@ -113,11 +114,16 @@ class Instance:
         return " | ".join(text[-lines:]) or "(empty log)"
 
     async def stop(self, grace_s: float = 30.0) -> int:
-        """SIGTERM (the server drains), then SIGKILL after `grace_s`."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.to_thread(self.process.wait, grace_s)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
+        """SIGTERM to the instance's process group (the server drains), then SIGKILL after `grace_s`."""
+        self._signal_group(signal.SIGTERM)
+        try:
+            await asyncio.to_thread(self.process.wait, grace_s)
+        except subprocess.TimeoutExpired:
+            self._signal_group(signal.SIGKILL)
         return await asyncio.to_thread(self.process.wait)
+
+    def _signal_group(self, sig: int) -> None:
+        try:
+            os.killpg(self.process.pid, sig)  # the group this instance's spawn created, by its id
+        except ProcessLookupError:  # every process of the group has exited
+            pass
