@@ -18,7 +18,9 @@ _SETTING_NAMES = {f.metadata["env"] for f in Settings.fields()}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = _parser().parse_args(argv)
+    args.argv = argv  # recorded beside the results
     setup_logging("info")
     try:
         settings = server_settings(args)

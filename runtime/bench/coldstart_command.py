@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from runtime.bench.coldstart import ColdStartPlan, run_coldstart
 from runtime.bench.machine import describe_machine
 from runtime.bench.plots import plot_coldstart
-from runtime.bench.report import coldstart_json, coldstart_table, write_json
+from runtime.bench.report import provenance, coldstart_json, coldstart_table, write_json
 
 
 async def run_coldstart_command(args: argparse.Namespace, settings: dict[str, str]) -> int:
@@ -16,11 +15,12 @@ async def run_coldstart_command(args: argparse.Namespace, settings: dict[str, st
                          settings=settings, log_dir=args.out / "logs", prompt_tokens=args.prompt_tokens,
                          max_tokens=args.max_tokens, timeout_s=args.timeout)
     results = await run_coldstart(plan)
-    context = {"command": "coldstart", "argv": sys.argv[1:], "machine": describe_machine(),
+    context = {"command": "coldstart", "argv": args.argv, "machine": describe_machine(),
                "model": args.model or "(embedded)", "settings": settings, "page_cache": args.page_cache,
                "repeat": args.repeat, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens}
     table = coldstart_table(results)
     write_json(args.out / "coldstart.json", coldstart_json(results, context))
+    table = provenance(context) + "\n\n" + table
     (args.out / "coldstart.md").write_text(table + "\n")
     machine = context["machine"]
     title = (f"cold start of {context['model']} on {', '.join(machine['gpus']) or 'CPU'} "

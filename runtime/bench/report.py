@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shlex
 import statistics
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,14 @@ def trace_table(points: list[TracePoint]) -> str:
                      f"{statistics.median(ready):.3f}" if ready else ""]
         rows.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
     return "\n".join(rows)
+
+
+def provenance(context: dict[str, Any]) -> str:
+    """The line that goes above a pasted table: the command, the machine and the date."""
+    machine = context["machine"]
+    where = ", ".join(machine["gpus"]) or f"no GPU, {machine['cpus']} CPUs"
+    command = " ".join(["faas-bench", *map(shlex.quote, context["argv"])])
+    return f"`{command}` on {where} ({machine['platform']}), {machine['date_utc']}"
 
 
 def write_json(path: Path, data: Any) -> None:

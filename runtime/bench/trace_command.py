@@ -5,14 +5,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 from pathlib import Path
 
 from runtime.bench.machine import describe_machine
 from runtime.bench.plots import plot_trace
 from runtime.bench.pool import ScalePolicy
 from runtime.bench.prompt import PromptMaker
-from runtime.bench.report import trace_table, write_json
+from runtime.bench.report import provenance, trace_table, write_json
 from runtime.bench.trace import TracePoint, run_trace_point
 from runtime.bench.workload import WorkloadShape, make_workload
 from runtime.logs import get_logger
@@ -43,13 +42,14 @@ async def run_trace_command(args: argparse.Namespace, settings: dict[str, str]) 
             points.append(point)
             if point.status == "skipped":
                 unavailable = point
-    context = {"command": "trace", "argv": sys.argv[1:], "machine": describe_machine(),
+    context = {"command": "trace", "argv": args.argv, "machine": describe_machine(),
                "model": args.model or "(embedded)", "settings": settings, "duration_s": args.duration,
                "seed": args.seed, "prompt_mean": args.prompt_mean * args.length_scale,
                "output_mean": args.output_mean * args.length_scale, "max_len": max_len,
                "exact_prompt_lengths": prompts.exact, "policy": dataclasses.asdict(policy)}
     write_json(args.out / "trace.json", {**context, "points": [dataclasses.asdict(p) for p in points]})
     table = trace_table(points)
+    table = provenance(context) + "\n\n" + table
     (args.out / "trace.md").write_text(table + "\n")
     ran = [dataclasses.asdict(p) for p in points if p.status == "ok"]
     if ran:
