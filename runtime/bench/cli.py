@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -23,6 +24,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.argv = argv  # recorded beside the results
     setup_logging("info")
     try:
+        missing = [name for name in ("httpx", "matplotlib") if importlib.util.find_spec(name) is None]
+        if missing:  # found now, not after an hour of runs when the figure is drawn
+            raise BenchError(f"needs {' and '.join(missing)}: pip install 'thawllm[bench]'")
         settings = server_settings(args)
         if args.command == "coldstart":
             from runtime.bench.coldstart_command import run_coldstart_command
