@@ -112,7 +112,8 @@ RESTORE_PATHS: dict[str, Callable[[Settings, Timeline], "Engine"]] = {name: _not
 
 def start_cold(settings: Settings, timeline: Timeline) -> "Engine":
     """What vLLM does: import, build, load the weights, profile the KV cache, capture graphs."""
-    from runtime.launch import build_engine, engine_config  # torch and the engine: the bulk of runtime_init
+    import runtime.engine.llm_engine  # noqa: F401  torch and the engine: the bulk of runtime_init
+    from runtime.launch import build_engine, engine_config
 
     timeline.mark(stages.RUNTIME_INIT)
     model_dir = resolve_model(settings.model, settings.cache_dir)
