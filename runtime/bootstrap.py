@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 from runtime import timeline as stages
 from runtime.config import ConfigError, Settings
 from runtime.logs import get_logger, setup_logging
-from runtime.server.state import AppState, StartedEngine
+from runtime.server.state import AppState, SkipPath, StartedEngine
 from runtime.timeline import Timeline
 
 if TYPE_CHECKING:
@@ -28,10 +28,6 @@ log = get_logger("bootstrap")
 
 #: the restore paths faster than cold, fastest first (DESIGN.md)
 FASTER_PATHS = ("gpu", "process", "materialized")
-
-
-class SkipPath(Exception):
-    """A restore path cannot be taken on this machine (no snapshot, fingerprint mismatch...): fall back."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -54,6 +50,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             report_init_error(lambda_api, LambdaError("Runtime.ConfigError", str(exc)))
         return 2
     setup_logging(settings.log_level)
+    if settings.restore in ("auto", "gpu", "process"):
+        # A CRIU snapshot that fits is restored as a child, before listening: it listens and serves, and
+        # this process supervises it. Inside the restored process this returns None and main goes on.
+        from snapshots.restore import take_over
+
+        status = take_over(settings, argv)
+        if status is not None:
+            return status
     _route_uvicorn_logs()
 
     from handlers import health
@@ -97,29 +101,45 @@ def start_engine(settings: Settings, timeline: Timeline) -> StartedEngine:
     return StartedEngine(start_cold(settings, timeline), "cold", skipped)
 
 
-def _not_built(name: str) -> Callable[[Settings, Timeline], "Engine"]:
-    def restore(settings: Settings, timeline: Timeline) -> "Engine":
-        if settings.snapshot_dir is None:
-            raise SkipPath("SNAPSHOT_DIR is not set")
-        raise SkipPath(f"this build has no {name} restore yet")
+def restore_gpu(settings: Settings, timeline: Timeline) -> "Engine":
+    from snapshots.restore import restore_gpu
 
-    return restore
+    return restore_gpu(settings, timeline)
 
 
-#: name -> restore function (raises SkipPath to fall through). snapshots/ replaces these entries.
-RESTORE_PATHS: dict[str, Callable[[Settings, Timeline], "Engine"]] = {name: _not_built(name) for name in FASTER_PATHS}
+def restore_process(settings: Settings, timeline: Timeline) -> "Engine":
+    from snapshots.restore import restore_process
+
+    return restore_process(settings, timeline)
+
+
+def restore_materialized(settings: Settings, timeline: Timeline) -> "Engine":
+    from snapshots.restore import restore_materialized
+
+    return restore_materialized(settings, timeline, lambda: build_fresh(settings, timeline))
+
+
+#: name -> restore function (raises SkipPath to fall through); snapshots/restore.py does the work, imported
+#: only when a path is tried
+RESTORE_PATHS: dict[str, Callable[[Settings, Timeline], "Engine"]] = {
+    "gpu": restore_gpu, "process": restore_process, "materialized": restore_materialized}
 
 
 def start_cold(settings: Settings, timeline: Timeline) -> "Engine":
     """What vLLM does: import, build, load the weights, profile the KV cache, capture graphs."""
+    engine = build_fresh(settings, timeline)
+    engine.start()
+    return engine
+
+
+def build_fresh(settings: Settings, timeline: Timeline) -> "Engine":
+    """The CPU phase in this process: imports, tokenizer, model structure (not started)."""
     import runtime.engine.llm_engine  # noqa: F401  torch and the engine: the bulk of runtime_init
     from runtime.launch import build_engine, engine_config
 
     timeline.mark(stages.RUNTIME_INIT)
     model_dir = resolve_model(settings.model, settings.cache_dir)
-    engine = build_engine(model_dir, engine_config(settings), timeline, served_model_name(settings))
-    engine.start()
-    return engine
+    return build_engine(model_dir, engine_config(settings), timeline, served_model_name(settings))
 
 
 # -- the model ---------------------------------------------------------------------------------------------
