@@ -115,8 +115,8 @@ def start_cold(settings: Settings, timeline: Timeline) -> "Engine":
     from runtime.launch import build_engine, engine_config  # torch and the engine: the bulk of runtime_init
 
     timeline.mark(stages.RUNTIME_INIT)
-    model_dir = resolve_model(settings.model)
-    engine = build_engine(model_dir, engine_config(settings), timeline, served_model_name(settings))
+    model_dir = resolve_model(settings)
+    engine = build_engine(model_dir, engine_config(settings), timeline, served_model_name(settings), settings)
     engine.start()
     return engine
 
@@ -133,18 +133,14 @@ def check_model_ref(model: str | None) -> None:
         raise ConfigError(f"MODEL={model!r}: no such file or directory")
 
 
-def resolve_model(model: str | None) -> Path:
-    """MODEL -> a local Hugging Face model directory."""
-    # TODO(weights): the embedded SmolLM2 (MODEL unset), GGUF files, faas-build layouts and s3:// prefixes
-    # resolve through runtime/weights once it lands; until then only local directories are served.
-    if model is None:
+def resolve_model(settings: Settings) -> Path:
+    """MODEL -> a local model directory (runtime/weights/resolve.py has the forms)."""
+    if settings.model is None:
         raise RuntimeError("MODEL is not set and this build cannot import the embedded SmolLM2 GGUF yet: "
                            "set MODEL to a Hugging Face model directory")
-    path = Path(model).expanduser()
-    if not (path.is_dir() and (path / "config.json").exists()):
-        raise RuntimeError(f"MODEL={model!r} is not a Hugging Face model directory (no config.json); "
-                           "GGUF files, layouts and s3:// need runtime/weights")
-    return path
+    from runtime.weights.resolve import disk_cache, resolve_model as resolve
+
+    return resolve(settings.model, disk_cache(settings.cache_dir, settings.cache_max_gb))
 
 
 def served_model_name(settings: Settings) -> str | None:
