@@ -2,7 +2,7 @@
 
 Entries are files under `root/<layout identity>/`; a file appears under its final name only once it is
 complete and verified (temporary name, then rename), so a reader never sees half a file. Use is recorded in
-the file's mtime; before a new file is written the least recently used files are evicted until it fits
+the file's mtime; before a new file is written the least recently used weight files are evicted until it fits
 under the bound. A file larger than the whole bound is not cached at all.
 """
 
@@ -26,6 +26,7 @@ class DiskCache:
         self.root = Path(root)
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
+        self._reserved = 0  # files being written by this process (their temporaries are not counted)
 
     def entry_dir(self, identity: str) -> Path:
         return self.root / identity
@@ -45,16 +46,24 @@ class DiskCache:
             return False
         with self._lock:
             files = self._files()
-            used = sum(st.st_size for _, st in files)
+            used = self._reserved + sum(st.st_size for _, st in files)
             for path, st in sorted(files, key=lambda f: f[1].st_mtime):
                 if used + size <= self.max_bytes:
                     break
-                if path in keep:
+                if path in keep or not _evictable(path):
                     continue
                 path.unlink(missing_ok=True)
                 used -= st.st_size
                 log.info("disk cache: evicted %s (%.1f MiB)", path.relative_to(self.root), st.st_size / 2**20)
-            return used + size <= self.max_bytes
+            if used + size > self.max_bytes:
+                return False
+            self._reserved += size
+            return True
+
+    def release(self, size: int) -> None:
+        """A reserved file was renamed into place (now counted on disk) or abandoned."""
+        with self._lock:
+            self._reserved -= size
 
     def temp_path(self, final: Path) -> Path:
         return final.with_name(f"{_TMP}{os.getpid()}-{threading.get_ident()}-{final.name}")
@@ -80,3 +89,9 @@ class DiskCache:
 
     def remove_entry(self, identity: str) -> None:
         shutil.rmtree(self.entry_dir(identity), ignore_errors=True)
+
+
+def _evictable(path: Path) -> bool:
+    """Weight data only: an entry's small files (manifest, config, tokenizer) stay, so an entry is always
+    resolvable and its evicted weights are streamed again."""
+    return path.suffix in (".bin", ".safetensors", ".gguf")

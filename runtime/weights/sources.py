@@ -52,6 +52,7 @@ class S3File:
         self.final = final
         self.cache = cache
         self._pending = len(entry.chunks())
+        self.size = entry.size
         self._lock = threading.Lock()
         self._fd = None
         if cache is not None and final is not None:
@@ -72,10 +73,12 @@ class S3File:
         if self._fd is None:
             return
         os.close(self._fd)
+        self._fd = None
         if ok and self._pending == 0:
             os.rename(self._temp, self.final)
         else:
             os.unlink(self._temp)
+        self.cache.release(self.size)
 
 
 ORIGIN = "origin.json"
