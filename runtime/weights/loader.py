@@ -110,6 +110,8 @@ class WeightStream:
         self._lock = threading.Lock()
         self._cuda = buffer.device.type == "cuda"
         self._stream = torch.cuda.Stream(buffer.device) if self._cuda else None
+        if self._stream is not None:  # whatever the caller queued on the buffer comes first
+            self._stream.wait_stream(torch.cuda.current_stream(buffer.device))
         self._host = None if self._cuda else memoryview(buffer.numpy())
         self._threads = [threading.Thread(target=self._reader, name=f"weights-reader-{i}", daemon=True)
                          for i in range(options.reader_threads(len(self.chunks)))]
