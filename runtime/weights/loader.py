@@ -3,7 +3,7 @@
 Reader threads take the layout's hashed chunks in buffer order. Each reads its chunk in `read_bytes` pieces
 (preadv from disk, or ranged GETs from S3) into its own ring of pinned host buffers, hashes every piece as it
 lands (hashlib releases the GIL on large buffers, so hashing scales with the readers), and enqueues the
-copy to the GPU on one side stream; a slot is reused only once its copy's event has completed. On CPU the
+copy to the GPU on its own side stream; a slot is reused only once its copy's event has completed. On CPU the
 pieces are read straight into the weight buffer (no pinned memory, no stream, no copy). A chunk whose
 sha256 differs fails the load with an error naming the file: the model is never used half-wrong.
 
@@ -43,6 +43,7 @@ class LoaderOptions:
     threads: int = 0  # 0: one per core, at most 16
     read_bytes: int = 16 * MiB  # one preadv / ranged GET; one pinned slot
     slots_per_thread: int = 2  # read the next piece while the last one is copied
+    verify: bool = True  # sha256 of every chunk; off only to measure what it costs (scripts/bench_weights.py)
 
     def reader_threads(self, n_chunks: int) -> int:
         auto = min(16, os.cpu_count() or 4)
@@ -108,10 +109,12 @@ class WeightStream:
         self._error: BaseException | None = None
         self._stats: dict[str, TierStats] = {}
         self._lock = threading.Lock()
+        self._local = threading.local()
         self._cuda = buffer.device.type == "cuda"
-        self._stream = torch.cuda.Stream(buffer.device) if self._cuda else None
-        if self._stream is not None:  # whatever the caller queued on the buffer comes first
-            self._stream.wait_stream(torch.cuda.current_stream(buffer.device))
+        self._ready_to_write = None
+        if self._cuda:  # whatever the caller queued on the buffer comes before the copies
+            self._ready_to_write = torch.cuda.Event()
+            self._ready_to_write.record(torch.cuda.current_stream(buffer.device))
         self._host = None if self._cuda else memoryview(buffer.numpy())
         self._threads = [threading.Thread(target=self._reader, name=f"weights-reader-{i}", daemon=True)
                          for i in range(options.reader_threads(len(self.chunks)))]
@@ -144,8 +147,9 @@ class WeightStream:
             for source in self.sources:
                 source.close(self._error is None)
         self._raise_if_failed()
-        if self._stream is not None:
-            self._stream.synchronize()
+        for copies in self._copied:
+            for event in copies:
+                event.synchronize()
         if not self._done:
             self._done = True
             self._report()
@@ -171,9 +175,13 @@ class WeightStream:
                 self._error = self._error or exc
 
     def _pinned_slots(self) -> list[tuple[torch.Tensor, memoryview, list]]:
+        """This reader's ring of pinned buffers, and its own copy stream (one stream shared by every reader
+        would make each reader wait behind the others' copies before reusing a slot)."""
         if not self._cuda:
             return []
         torch.cuda.set_device(self.buffer.device)
+        self._local.stream = torch.cuda.Stream(self.buffer.device)
+        self._local.stream.wait_event(self._ready_to_write)
         size = min(self.options.read_bytes, max(c.length for c in self.chunks))
         host = torch.empty(size * self.options.slots_per_thread, dtype=torch.uint8, pin_memory=True)
         view = memoryview(host.numpy())
@@ -183,7 +191,7 @@ class WeightStream:
     def _load_chunk(self, i: int, slots: list, turn: int) -> int:
         chunk = self.chunks[i]
         source = self.sources[chunk.file]
-        digest = hashlib.sha256()
+        digest = hashlib.sha256() if self.options.verify else None
         start = time.time()
         for off in range(0, chunk.length, self.options.read_bytes):
             n = min(self.options.read_bytes, chunk.length - off)
@@ -191,20 +199,21 @@ class WeightStream:
             if not self._cuda:
                 piece = self._host[dst:dst + n]
                 source.read_into(chunk.offset + off, piece)
-                digest.update(piece)
+                digest and digest.update(piece)
                 continue
             host, view, pending = slots[turn % len(slots)]
             turn += 1
             if pending[0] is not None:
                 pending[0].synchronize()  # the slot's previous copy has left it
             source.read_into(chunk.offset + off, view[:n])
-            digest.update(view[:n])
-            with torch.cuda.stream(self._stream):
+            digest and digest.update(view[:n])
+            stream = self._local.stream
+            with torch.cuda.stream(stream):
                 self.buffer[dst:dst + n].copy_(host[:n], non_blocking=True)
                 pending[0] = torch.cuda.Event()
-                pending[0].record(self._stream)
+                pending[0].record(stream)
             self._copied[i].append(pending[0])
-        if digest.hexdigest() != chunk.sha256:
+        if digest is not None and digest.hexdigest() != chunk.sha256:
             entry: FileEntry = self.manifest.files[chunk.file]
             raise WeightsError(f"{self.where}: {entry.name} chunk {chunk.index} (bytes {chunk.offset}-"
                                f"{chunk.offset + chunk.length}) fails its sha256 check: the layout is corrupt "
