@@ -3,8 +3,9 @@
 For each shape (a random-weight model of a real shape, scripts/model_shapes.py), GiB/s of:
   limit_read      the layout files read in parallel (16 threads, 64 MiB preadv) and thrown away
   limit_h2d       pinned host memory -> GPU, 256 MiB copies (GPU only)
-  loader          runtime/weights/loader.py into the engine's flat buffer (sha256 verified on the way)
-  loader_nohash   the same without sha256: what verification costs (page cache only)
+  loader          runtime/weights/loader.py into the engine's flat buffer (BLAKE3 verified on the way)
+  loader_nohash   the same without verification: what hashing costs (page cache only)
+  loader_sha256   the same from a layout built with --hash sha256 (built, measured, deleted)
   safetensors     safetensors load_file, then .to(device), tensor by tensor
   transformers    AutoModelForCausalLM.from_pretrained(dtype=bfloat16) then .to(device) (page cache only)
   loader_s3       the loader from a moto S3 server on loopback (--s3-shapes), then again from the disk cache
@@ -194,6 +195,17 @@ def bench_shape(shape: str, args, work: Path) -> dict:
                                                st_files, st_bytes, device, 1, False)
     if shape in args.s3_shapes:
         result["loader_s3"] = bench_s3(layout, device, options, work)
+    if args.compare_sha256:
+        sha_layout = work / f"{shape}-layout-sha256"
+        shutil.rmtree(sha_layout, ignore_errors=True)
+        write_layout(str(model_dir), str(sha_layout), dtype="bfloat16", hash="sha256", progress=False)
+        sha_files = [sha_layout / f.name for f in manifest.files]
+        result["loader_sha256"] = warm_and_cold("loader_sha256", lambda: load_layout(sha_layout, device, options),
+                                                sha_files, nbytes, device, args.repeat, cold)
+        shutil.rmtree(sha_layout)
+    if args.cleanup:
+        for path in (model_dir, layout, work / "s3-cache"):
+            shutil.rmtree(path, ignore_errors=True)
     return result
 
 
@@ -227,6 +239,8 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--no-cold", action="store_true")
     p.add_argument("--no-transformers", action="store_true")
+    p.add_argument("--compare-sha256", action="store_true", help="also time a layout hashed with sha256")
+    p.add_argument("--cleanup", action="store_true", help="delete each shape's files once it is measured")
     p.add_argument("--out", type=Path, default=Path("bench-weights.json"))
     args = p.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)

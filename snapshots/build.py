@@ -1,6 +1,6 @@
 """faas-build: what a function image is built with, one step after another.
 
-    faas-build --model SRC --out DST [--dtype bfloat16] [--file-gb 2] [--chunk-mb 64] [--quiet]
+    faas-build --model SRC --out DST [--dtype bfloat16] [--file-gb 2] [--chunk-mb 64] [--hash blake3] [--quiet]
 
 Each step takes the build (arguments and what earlier steps produced) and adds to it; a step that cannot be
 done raises BuildError (or WeightsError) and the command prints one line, `faas-build: <reason>`, exit 2.
@@ -33,6 +33,7 @@ class Build:
     dtype: str
     file_bytes: int
     chunk_bytes: int
+    hash: str
     progress: bool
     manifest: object | None = None  # runtime.weights.manifest.Manifest, once the weights step has run
 
@@ -42,7 +43,7 @@ def build_weights(build: Build) -> None:
     from runtime.weights.layout import write_layout
 
     build.manifest = write_layout(build.model, build.out, dtype=build.dtype, file_bytes=build.file_bytes,
-                                  chunk_bytes=build.chunk_bytes, progress=build.progress)
+                                  chunk_bytes=build.chunk_bytes, hash=build.hash, progress=build.progress)
     log.info("layout written to %s: %.2f GiB in %d files, source %s", build.out,
              build.manifest.total_bytes / GiB, len(build.manifest.files), build.manifest.content_hash)
 
@@ -62,12 +63,13 @@ def parse_args(argv: Sequence[str]) -> Build:
     p.add_argument("--out", required=True, help="layout destination: a new local directory or an s3:// prefix")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--file-gb", type=float, default=2.0, help="split the weights into files of about this size")
-    p.add_argument("--chunk-mb", type=float, default=64.0, help="sha256 chunk size")
+    p.add_argument("--chunk-mb", type=float, default=64.0, help="hashed chunk size")
+    p.add_argument("--hash", default="blake3", choices=("blake3", "sha256"), help="chunk hash")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     a = p.parse_args(argv)
     if a.file_gb <= 0 or a.chunk_mb <= 0:
         raise BuildError("--file-gb and --chunk-mb must be positive")
-    return Build(a.model, a.out, a.dtype, int(a.file_gb * GiB), int(a.chunk_mb * MiB), not a.quiet)
+    return Build(a.model, a.out, a.dtype, int(a.file_gb * GiB), int(a.chunk_mb * MiB), a.hash, not a.quiet)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

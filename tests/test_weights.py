@@ -38,7 +38,7 @@ def test_layout_bytes_are_the_engine_weight_buffer(tiny_model, local_layout):
         layout_loader(local_layout, LoaderOptions(threads=threads, read_bytes=20_000))(plan, got).wait()
         assert torch.equal(got, expected)
     manifest = Manifest.read(local_layout)
-    assert len(manifest.files) >= 2 and sum(len(f.sha256) for f in manifest.files) > len(manifest.files)
+    assert len(manifest.files) >= 2 and sum(len(f.digests) for f in manifest.files) > len(manifest.files)
     assert b"".join((local_layout / f.name).read_bytes() for f in manifest.files) == expected.numpy().tobytes()
     by_name = {t.name: t for t in manifest.tensors}
     t = by_name["model.layers.1.mlp.down_proj.weight"]
@@ -72,16 +72,16 @@ def test_a_layout_for_another_dtype_is_refused_by_name(local_layout, tmp_path):
         start(str(local_layout), cpu_settings(tmp_path, DTYPE="bfloat16"))
 
 
-def test_a_corrupted_file_is_an_error_naming_it(local_layout, tmp_path):
+@pytest.mark.parametrize("hash", ["blake3", "sha256"])
+def test_a_corrupted_file_is_an_error_naming_it(hash, tiny_model, tmp_path):
     broken = tmp_path / "broken"
-    broken.mkdir()
-    for p in local_layout.iterdir():
-        (broken / p.name).write_bytes(p.read_bytes())
+    write_layout(tiny_model("tiny-llama"), str(broken), dtype="float32", hash=hash, **SMALL)
+    start(str(broken), cpu_settings(tmp_path)).shutdown()  # loads while intact
     victim = broken / "weights-00001.bin"
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0x01  # one bit
     victim.write_bytes(bytes(data))
-    with pytest.raises(WeightsError, match=r"weights-00001\.bin chunk \d+ .* fails its sha256 check"):
+    with pytest.raises(WeightsError, match=rf"weights-00001\.bin chunk \d+ .* fails its {hash} check"):
         start(str(broken), cpu_settings(tmp_path))
     victim.write_bytes(bytes(data[:1000]))
     with pytest.raises(WeightsError, match=r"weights-00001\.bin: truncated"):

@@ -23,8 +23,8 @@ from runtime.engine.model_config import ModelConfig
 from runtime.engine.weight_plan import DTYPES, PlannedTensor, WeightPlan, plan_weights
 from runtime.logs import get_logger
 from runtime.weights.errors import WeightsError
-from runtime.weights.manifest import (FORMAT_VERSION, MANIFEST, MODEL_FILES, FileEntry, Manifest, TensorEntry,
-                                      is_layout)
+from runtime.weights.manifest import (FORMAT_VERSION, HASHES, MANIFEST, MODEL_FILES, FileEntry, Manifest,
+                                      TensorEntry, chunk_hasher, is_layout)
 from runtime.weights.s3 import S3Store, is_s3, join_key, split_url
 
 log = get_logger("weights.layout")
@@ -34,11 +34,13 @@ HASH_BLOCK = 16 * MiB
 
 
 def write_layout(source: str, out: str, *, dtype: str = "bfloat16", file_bytes: int = 2 * GiB,
-                 chunk_bytes: int = 64 * MiB, store: S3Store | None = None, progress: bool = True) -> Manifest:
+                 chunk_bytes: int = 64 * MiB, hash: str = "blake3", store: S3Store | None = None, progress: bool = True) -> Manifest:
     """Build the layout of `source` at `out` (a local directory that must not exist yet, or an s3:// prefix
     without a manifest.json). Returns its manifest."""
     if dtype not in DTYPES:
         raise WeightsError(f"dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    if hash not in HASHES:
+        raise WeightsError(f"hash {hash!r}: choose one of {', '.join(HASHES)}")
     if chunk_bytes <= 0 or file_bytes <= 0:
         raise WeightsError("chunk and file sizes must be positive")
     store = store or (S3Store() if is_s3(source) or is_s3(out) else None)
@@ -47,14 +49,14 @@ def write_layout(source: str, out: str, *, dtype: str = "bfloat16", file_bytes: 
         model_dir, content_hash = _local_source(source, Path(scratch), store, progress)
         if is_s3(out):
             staged = Path(scratch) / "layout"
-            manifest = _write_local(model_dir, staged, dtype, file_bytes, chunk_bytes, content_hash, progress)
+            manifest = _write_local(model_dir, staged, dtype, file_bytes, chunk_bytes, hash, content_hash, progress)
             upload_layout(staged, out, manifest, store, progress)
             return manifest
         final = Path(out)
         temp = final.parent / f".{final.name}.tmp-{os.getpid()}"
         final.parent.mkdir(parents=True, exist_ok=True)
         try:
-            manifest = _write_local(model_dir, temp, dtype, file_bytes, chunk_bytes, content_hash, progress)
+            manifest = _write_local(model_dir, temp, dtype, file_bytes, chunk_bytes, hash, content_hash, progress)
             os.rename(temp, final)
         finally:
             shutil.rmtree(temp, ignore_errors=True)
@@ -123,8 +125,8 @@ def content_hash(files: list[Path], root: Path) -> str:
 
 # -- writing -----------------------------------------------------------------------------------------------
 
-def _write_local(model_dir: Path, out: Path, dtype: str, file_bytes: int, chunk_bytes: int, source_hash: str,
-                 progress: bool) -> Manifest:
+def _write_local(model_dir: Path, out: Path, dtype: str, file_bytes: int, chunk_bytes: int, hash: str,
+                 source_hash: str, progress: bool) -> Manifest:
     plan = plan_weights(ModelConfig.from_dir(model_dir), dtype)
     out.mkdir(parents=True)
     groups = split_into_files(plan, file_bytes)
@@ -134,13 +136,13 @@ def _write_local(model_dir: Path, out: Path, dtype: str, file_bytes: int, chunk_
         for i, (start, end, planned) in enumerate(groups):
             name = f"weights-{i:05d}.bin"
             _write_file(out / name, start, end, planned, source, DTYPES[dtype], bar)
-            files.append(FileEntry(name, start, end - start, chunk_bytes, hash_chunks(out / name, chunk_bytes)))
+            files.append(FileEntry(name, start, end - start, chunk_bytes, hash_chunks(out / name, chunk_bytes, hash)))
             tensors += [TensorEntry(t.name, dtype, t.shape, name, t.offset - start, t.nbytes) for t in planned]
     bar.close()
     copied = tuple(n for n in MODEL_FILES if (model_dir / n).is_file())
     for name in copied:
         shutil.copyfile(model_dir / name, out / name)
-    manifest = Manifest(FORMAT_VERSION, dtype, plan.alignment, source_hash, plan, tuple(files), tuple(tensors), copied)
+    manifest = Manifest(FORMAT_VERSION, dtype, plan.alignment, hash, source_hash, plan, tuple(files), tuple(tensors), copied)
     (out / MANIFEST).write_bytes(manifest.to_json())
     return manifest
 
@@ -173,11 +175,11 @@ def _write_file(path: Path, start: int, end: int, planned: list[PlannedTensor], 
             bar.update(t.nbytes)
 
 
-def hash_chunks(path: Path, chunk_bytes: int) -> tuple[str, ...]:
+def hash_chunks(path: Path, chunk_bytes: int, hash: str) -> tuple[str, ...]:
     size = path.stat().st_size
 
     def digest(offset: int) -> str:
-        h = hashlib.sha256()
+        h = chunk_hasher(hash)
         with open(path, "rb") as f:
             f.seek(offset)
             left = min(chunk_bytes, size - offset)

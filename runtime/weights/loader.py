@@ -2,10 +2,10 @@
 
 Reader threads take the layout's hashed chunks in buffer order. Each reads its chunk in `read_bytes` pieces
 (preadv from disk, or ranged GETs from S3) into its own ring of pinned host buffers, hashes every piece as it
-lands (hashlib releases the GIL on large buffers, so hashing scales with the readers), and enqueues the
+lands (blake3 and hashlib release the GIL on large buffers, so hashing scales with the readers), and enqueues the
 copy to the GPU on its own side stream; a slot is reused only once its copy's event has completed. On CPU the
 pieces are read straight into the weight buffer (no pinned memory, no stream, no copy). A chunk whose
-sha256 differs fails the load with an error naming the file: the model is never used half-wrong.
+hash differs fails the load with an error naming the file: the model is never used half-wrong.
 
 `wait_tensor(name)` returns as soon as that tensor's chunks are in place, so a caller may use the first
 layers while the last ones stream; `wait()` is the end of the whole load.
@@ -14,7 +14,6 @@ layers while the last ones stream; `wait()` is the end of the whole load.
 from __future__ import annotations
 
 import bisect
-import hashlib
 import os
 import queue
 import threading
@@ -30,7 +29,7 @@ from runtime.logs import get_logger
 from runtime.timeline import Timeline
 from runtime.weights.cache import DiskCache
 from runtime.weights.errors import WeightsError
-from runtime.weights.manifest import FileEntry, Manifest
+from runtime.weights.manifest import FileEntry, Manifest, chunk_hasher
 from runtime.weights.s3 import S3Store
 
 log = get_logger("weights.loader")
@@ -43,7 +42,7 @@ class LoaderOptions:
     threads: int = 0  # 0: one per core, at most 16
     read_bytes: int = 16 * MiB  # one preadv / ranged GET; one pinned slot
     slots_per_thread: int = 2  # read the next piece while the last one is copied
-    verify: bool = True  # sha256 of every chunk; off only to measure what it costs (scripts/bench_weights.py)
+    verify: bool = True  # hash every chunk; off only to measure what it costs (scripts/bench_weights.py)
 
     def reader_threads(self, n_chunks: int) -> int:
         auto = min(16, os.cpu_count() or 4)
@@ -57,7 +56,7 @@ class Chunk:
     offset: int  # within the file
     length: int
     buffer_offset: int
-    sha256: str
+    digest: str
 
 
 @dataclass
@@ -76,7 +75,7 @@ class TierStats:
 
 
 def layout_chunks(manifest: Manifest) -> list[Chunk]:
-    return [Chunk(i, j, off, n, f.buffer_offset + off, f.sha256[j])
+    return [Chunk(i, j, off, n, f.buffer_offset + off, f.digests[j])
             for i, f in enumerate(manifest.files) for j, (off, n) in enumerate(f.chunks())]
 
 
@@ -191,7 +190,7 @@ class WeightStream:
     def _load_chunk(self, i: int, slots: list, turn: int) -> int:
         chunk = self.chunks[i]
         source = self.sources[chunk.file]
-        digest = hashlib.sha256() if self.options.verify else None
+        digest = chunk_hasher(self.manifest.hash) if self.options.verify else None
         start = time.time()
         for off in range(0, chunk.length, self.options.read_bytes):
             n = min(self.options.read_bytes, chunk.length - off)
@@ -213,10 +212,10 @@ class WeightStream:
                 pending[0] = torch.cuda.Event()
                 pending[0].record(stream)
             self._copied[i].append(pending[0])
-        if digest is not None and digest.hexdigest() != chunk.sha256:
+        if digest is not None and digest.hexdigest() != chunk.digest:
             entry: FileEntry = self.manifest.files[chunk.file]
             raise WeightsError(f"{self.where}: {entry.name} chunk {chunk.index} (bytes {chunk.offset}-"
-                               f"{chunk.offset + chunk.length}) fails its sha256 check: the layout is corrupt "
+                               f"{chunk.offset + chunk.length}) fails its {self.manifest.hash} check: the layout is corrupt "
                                f"or was changed after it was built")
         source.chunk_verified(chunk.index)
         with self._lock:
