@@ -138,7 +138,8 @@ def resolve_model(settings: Settings) -> Path:
     if settings.model is None:
         raise RuntimeError("MODEL is not set and this build cannot import the embedded SmolLM2 GGUF yet: "
                            "set MODEL to a Hugging Face model directory")
-    from runtime.weights.resolve import disk_cache, resolve_model as resolve
+    from runtime.weights.resolve import disk_cache
+    from runtime.weights.resolve import resolve_model as resolve
 
     return resolve(settings.model, disk_cache(settings.cache_dir, settings.cache_max_gb))
 

@@ -23,8 +23,17 @@ from runtime.engine.model_config import ModelConfig
 from runtime.engine.weight_plan import DTYPES, PlannedTensor, WeightPlan, plan_weights
 from runtime.logs import get_logger
 from runtime.weights.errors import WeightsError
-from runtime.weights.manifest import (FORMAT_VERSION, HASHES, MANIFEST, MODEL_FILES, FileEntry, Manifest,
-                                      TensorEntry, chunk_hasher, is_layout)
+from runtime.weights.manifest import (
+    FORMAT_VERSION,
+    HASHES,
+    MANIFEST,
+    MODEL_FILES,
+    FileEntry,
+    Manifest,
+    TensorEntry,
+    chunk_hasher,
+    is_layout,
+)
 from runtime.weights.s3 import S3Store, is_s3, join_key, split_url
 
 log = get_logger("weights.layout")
@@ -34,7 +43,8 @@ HASH_BLOCK = 16 * MiB
 
 
 def write_layout(source: str, out: str, *, dtype: str = "bfloat16", file_bytes: int = 2 * GiB,
-                 chunk_bytes: int = 64 * MiB, hash: str = "blake3", store: S3Store | None = None, progress: bool = True) -> Manifest:
+                 chunk_bytes: int = 64 * MiB, hash: str = "blake3", store: S3Store | None = None,
+                 progress: bool = True) -> Manifest:
     """Build the layout of `source` at `out` (a local directory that must not exist yet, or an s3:// prefix
     without a manifest.json). Returns its manifest."""
     if dtype not in DTYPES:
@@ -142,7 +152,8 @@ def _write_local(model_dir: Path, out: Path, dtype: str, file_bytes: int, chunk_
     copied = tuple(n for n in MODEL_FILES if (model_dir / n).is_file())
     for name in copied:
         shutil.copyfile(model_dir / name, out / name)
-    manifest = Manifest(FORMAT_VERSION, dtype, plan.alignment, hash, source_hash, plan, tuple(files), tuple(tensors), copied)
+    manifest = Manifest(FORMAT_VERSION, dtype, plan.alignment, hash, source_hash, plan, tuple(files),
+                        tuple(tensors), copied)
     (out / MANIFEST).write_bytes(manifest.to_json())
     return manifest
 

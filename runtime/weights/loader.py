@@ -14,11 +14,12 @@ layers while the last ones stream; `wait()` is the end of the whole load.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import os
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -215,8 +216,8 @@ class WeightStream:
         if digest is not None and digest.hexdigest() != chunk.digest:
             entry: FileEntry = self.manifest.files[chunk.file]
             raise WeightsError(f"{self.where}: {entry.name} chunk {chunk.index} (bytes {chunk.offset}-"
-                               f"{chunk.offset + chunk.length}) fails its {self.manifest.hash} check: the layout is corrupt "
-                               f"or was changed after it was built")
+                               f"{chunk.offset + chunk.length}) fails its {self.manifest.hash} check: the layout is "
+                               "corrupt or was changed after it was built")
         source.chunk_verified(chunk.index)
         with self._lock:
             self._stats.setdefault(source.tier, TierStats()).add(chunk.length, start, time.time())
@@ -260,9 +261,13 @@ def layout_loader(layout_dir: Path, options: LoaderOptions | None = None, timeli
 
     def load(plan: WeightPlan, buffer: torch.Tensor) -> WeightStream:
         manifest = Manifest.read(layout_dir)
-        sources = open_sources(layout_dir, manifest, cache, store)
+        s3 = store or S3Store()  # boto3 is imported only if a file is streamed from S3
+        sources = open_sources(layout_dir, manifest, cache, s3)
+        streaming = options
+        if any(source.tier == "s3" for source in sources):  # S3 settings: GETs in flight and their size
+            streaming = dataclasses.replace(options, threads=s3.options.concurrency, read_bytes=s3.options.part_bytes)
         try:
-            return stream_layout(manifest, sources, plan, buffer, options, str(layout_dir), timeline)
+            return stream_layout(manifest, sources, plan, buffer, streaming, str(layout_dir), timeline)
         except BaseException:
             for source in sources:
                 source.close(False)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import orjson
 
-from runtime.weights.cache import GiB, DiskCache
+from runtime.weights.cache import DiskCache, GiB
 from runtime.weights.errors import WeightsError
 from runtime.weights.manifest import MANIFEST, Manifest, is_layout
 from runtime.weights.s3 import S3Store, is_s3, join_key, split_url

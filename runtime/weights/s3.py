@@ -32,8 +32,10 @@ class S3Options:
 
     @classmethod
     def from_env(cls) -> "S3Options":
-        return cls(concurrency=int(os.environ.get("S3_CONCURRENCY", cls.concurrency)),
-                   part_bytes=int(float(os.environ.get("S3_PART_MB", cls.part_bytes // MiB)) * MiB))
+        from runtime.config import Settings
+
+        settings = Settings.from_env()
+        return cls(concurrency=settings.s3_concurrency, part_bytes=int(settings.s3_part_mb * MiB))
 
 
 def is_s3(ref: str | os.PathLike | None) -> bool:
@@ -119,7 +121,6 @@ class S3Store:
         self._retrying(bucket, key, get)
 
     def download(self, bucket: str, key: str, path: Path) -> None:
-        from boto3.s3.transfer import TransferConfig
 
         self._retrying(bucket, key, lambda: self.client.download_file(
             bucket, key, str(path), Config=self._transfer_config()))

@@ -87,6 +87,8 @@ ORIGIN = "origin.json"
 def open_sources(layout_dir: Path, manifest: Manifest, cache: DiskCache | None, store: S3Store | None) -> list:
     """One source per layout file: the local file when it is there, else the layout's S3 origin."""
     origin = _origin(layout_dir)
+    if origin is not None:
+        store = store or S3Store()
     sources = []
     try:
         for entry in manifest.files:
@@ -96,7 +98,7 @@ def open_sources(layout_dir: Path, manifest: Manifest, cache: DiskCache | None, 
             elif origin is not None:
                 use_cache = cache is not None and cache.reserve(
                     entry.size, keep={layout_dir / f.name for f in manifest.files})
-                sources.append(S3File(store or S3Store(), origin, entry, cache if use_cache else None, path))
+                sources.append(S3File(store, origin, entry, cache if use_cache else None, path))
             else:
                 raise WeightsError(f"{layout_dir}: {entry.name} is missing")
     except BaseException:
