@@ -118,8 +118,7 @@ class WeightStream:
         self._host = None if self._cuda else memoryview(buffer.numpy())
         self._threads = [threading.Thread(target=self._reader, name=f"weights-reader-{i}", daemon=True)
                          for i in range(options.reader_threads(len(self.chunks)))]
-        self._done = False
-        self._closed = False
+        self._finished = False
         self.started = time.time()
         for t in self._threads:
             t.start()
@@ -142,17 +141,17 @@ class WeightStream:
     def wait(self) -> "WeightStream":
         for t in self._threads:
             t.join()
-        if not self._closed:  # cache files are renamed into place only after every chunk was verified
-            self._closed = True
-            for source in self.sources:
-                source.close(self._error is None)
+        if self._finished:
+            self._raise_if_failed()
+            return self
+        self._finished = True
+        for source in self.sources:  # cache files are renamed into place only if every chunk was verified
+            source.close(self._error is None)
         self._raise_if_failed()
         for copies in self._copied:
             for event in copies:
                 event.synchronize()
-        if not self._done:
-            self._done = True
-            self._report()
+        self._report()
         return self
 
     def tier_stats(self) -> dict[str, dict]:
