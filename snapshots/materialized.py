@@ -28,6 +28,8 @@ from runtime.logs import get_logger
 log = get_logger("snapshots.materialized")
 
 DIRNAME = "materialized"
+#: the Fingerprint (snapshots/fingerprint.py) it was baked against; the restore paths check it
+FINGERPRINT = "fingerprint.json"
 
 
 class MaterializeError(RuntimeError):
@@ -43,7 +45,10 @@ class BakeReport:
     problems: dict[int, list[str]]
 
 
-def bake_materialized(model_dir: Path, config: EngineConfig, snapshot_dir: Path) -> BakeReport:
+def bake_materialized(model_dir: Path, config: EngineConfig, snapshot_dir: Path,
+                      fingerprint: dict | None = None) -> BakeReport:
+    """FINGERPRINT: `current_fingerprint(settings).as_dict()` of the function's settings; without it the
+    restore paths do not use the result."""
     import time
 
     from runtime.launch import build_engine
@@ -70,6 +75,8 @@ def bake_materialized(model_dir: Path, config: EngineConfig, snapshot_dir: Path)
             (tmp / f"segment-{ordinal}.bin").write_bytes(data)
         profile = engine.kv_profile or KVProfile(runner.num_kv_blocks, runner.kv_block_bytes, 0, 0, 0)
         (tmp / "kvprofile.json").write_text(json.dumps(profile.as_dict(), indent=1))
+        if fingerprint is not None:
+            (tmp / FINGERPRINT).write_text(json.dumps(fingerprint, indent=1))
         (tmp / "engine.json").write_text(json.dumps({"model_dir": str(model_dir), "config": asdict(config)}))
         del runner  # the last reference besides the engine's: shutdown can then hand the memory back
         engine.shutdown()

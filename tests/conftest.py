@@ -13,9 +13,19 @@ from tests.helpers import make_engine, tiny_model_dir  # noqa: E402
 
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    criu_blockers = _criu_blockers() if any("criu" in item.keywords for item in items) else []
+    skip_criu = pytest.mark.skip(reason=f"needs criu 4.x and root: {'; '.join(criu_blockers)}")
     for item in items:
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(skip_gpu)
+        if "criu" in item.keywords and criu_blockers:
+            item.add_marker(skip_criu)
+
+
+def _criu_blockers() -> list[str]:
+    from snapshots.criu import find_criu, restore_blockers
+
+    return restore_blockers(find_criu())
 
 
 @pytest.fixture(scope="session")

@@ -131,3 +131,18 @@ def test_faas_build_cli_writes_a_layout_and_refuses_bad_input_in_one_line(tiny_m
         lines = done.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("faas-build: ") and reason in lines[0], done.stderr
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_a_gguf_file_builds_the_same_bytes_as_its_imported_directory(tmp_path):
+    from runtime.weights.embedded import embedded_gguf_path
+    from runtime.weights.gguf_import import imported_model_dir
+
+    gguf = embedded_gguf_path()
+    manifest = write_layout(str(gguf), str(tmp_path / "layout"), dtype="bfloat16", progress=False)
+    imported = imported_model_dir(gguf, tmp_path / "cache")
+    expected = torch.zeros(manifest.plan.total_bytes, dtype=torch.uint8)
+    hf_dir_loader(imported)(manifest.plan, expected).wait()
+    got = torch.zeros_like(expected)
+    layout_loader(tmp_path / "layout")(manifest.plan, got).wait()
+    assert torch.equal(got, expected)
+    assert (tmp_path / "layout" / "tokenizer.json").read_bytes() == (imported / "tokenizer.json").read_bytes()

@@ -12,7 +12,7 @@ from pathlib import Path
 from runtime.config import Settings
 from runtime.engine import SamplingParams
 from runtime.launch import build_engine, engine_config
-from runtime.weights.resolve import disk_cache, resolve_model
+from runtime.weights.resolve import resolve_model
 
 PROMPT = [5, 9, 33, 100, 7]
 
@@ -23,7 +23,7 @@ def cpu_settings(cache_dir: Path, **env: str) -> Settings:
 
 def start(model: str, settings: Settings):
     """MODEL -> a started engine, the way the cold start path does it."""
-    model_dir = resolve_model(model, disk_cache(settings.cache_dir, settings.cache_max_gb))
+    model_dir = resolve_model(model, settings.cache_dir, settings.cache_max_gb)
     engine = build_engine(model_dir, engine_config(settings), None, "m", settings)
     try:
         engine.start()

@@ -282,11 +282,12 @@ class Engine:
             text_of = self.tokenizer.token_text
             logprobs = [TokenLogprob(token.token_id, text_of(token.token_id), token.logprob,
                                      [(t, text_of(t), lp) for t, lp in token.top or []])]
-        self._emit(request, [token.token_id], logprobs, reason)
         if reason is not None:
+            # Free the blocks before the caller hears of the finish: it may look at stats() at once.
             self.scheduler.finish(seq, reason)
             self.sampler.forget(seq.request_id)
             self._requests.pop(seq.request_id, None)
+        self._emit(request, [token.token_id], logprobs, reason)
 
     def _emit(self, request: _Request, token_ids: list[int], logprobs, reason: str | None) -> None:
         seq = request.seq

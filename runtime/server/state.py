@@ -26,6 +26,10 @@ Phase = Literal["starting", "ready", "draining", "failed"]
 RESTORE_PATHS = ("gpu", "process", "materialized", "cold")
 
 
+class SkipPath(Exception):
+    """A restore path cannot be taken on this machine (no snapshot, fingerprint mismatch...): fall back."""
+
+
 @dataclass(frozen=True)
 class StartedEngine:
     """What a start path hands the server: the engine, the path that produced it, and why each faster

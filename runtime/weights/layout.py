@@ -81,7 +81,12 @@ def _local_source(source: str, scratch: Path, store: S3Store | None, progress: b
         source = str(download_prefix(source, scratch / "source", store, progress))
     path = Path(source).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return Path(gguf_importer()(path, scratch / "imported")), content_hash([path], path.parent)
+        from runtime.weights.gguf_import import GGUFImportError, import_gguf
+
+        try:
+            return import_gguf(path, scratch / "imported"), content_hash([path], path.parent)
+        except GGUFImportError as exc:
+            raise WeightsError(str(exc)) from None
     if path.is_file():
         raise WeightsError(f"{source} is not a .gguf file nor a Hugging Face model directory")
     if is_layout(path):
@@ -90,14 +95,6 @@ def _local_source(source: str, scratch: Path, store: S3Store | None, progress: b
         raise WeightsError(f"{source} is not a Hugging Face model directory (config.json and *.safetensors) "
                            "nor a .gguf file")
     return path, content_hash(sorted(p for p in path.iterdir() if p.is_file()), path)
-
-
-def gguf_importer():
-    try:
-        from runtime.weights.gguf_import import import_gguf
-    except ImportError:
-        raise WeightsError("this build cannot import GGUF files yet (runtime/weights/gguf_import.py)") from None
-    return import_gguf
 
 
 def download_prefix(url: str, into: Path, store: S3Store, progress: bool) -> Path:

@@ -4,11 +4,10 @@
 | --- | --- |
 | a Hugging Face directory | itself (loaded by hf_dir_loader) |
 | a faas-build layout directory | itself (loaded by the pipelined loader) |
-| a .gguf file | a Hugging Face directory imported once into CACHE_DIR/gguf |
+| unset | the embedded SmolLM2 GGUF, imported once (runtime/weights/embedded.py) |
+| a .gguf file | a Hugging Face directory imported once into CACHE_DIR/gguf (runtime/weights/gguf_import.py) |
 | s3://... holding a layout | CACHE_DIR/weights/<layout id>: its small files, and its weight files once streamed |
 | s3://... holding a Hugging Face directory or one .gguf | downloaded once into CACHE_DIR/weights, then as above |
-
-The embedded default (MODEL unset) is the bootstrap's (runtime/bootstrap.py).
 """
 
 from __future__ import annotations
@@ -31,34 +30,23 @@ def disk_cache(cache_dir: Path, cache_max_gb: float) -> DiskCache:
     return DiskCache(Path(cache_dir) / "weights", int(cache_max_gb * GiB))
 
 
-def resolve_model(model: str, cache: DiskCache, store: S3Store | None = None) -> Path:
+def resolve_model(model: str | None, cache_dir: Path, cache_max_gb: float = 100.0,
+                  store: S3Store | None = None) -> Path:
+    if model is None:
+        from runtime.weights.embedded import embedded_model_dir
+
+        return embedded_model_dir(cache_dir)
     if is_s3(model):
-        return _resolve_s3(model, cache, store or S3Store())
+        return _resolve_s3(model, disk_cache(cache_dir, cache_max_gb), store or S3Store())
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return import_gguf_cached(path, cache.root.parent / "gguf")
+        from runtime.weights.gguf_import import imported_model_dir
+
+        return imported_model_dir(path, cache_dir)
     if is_layout(path) or (path / "config.json").is_file():
         return path
     raise WeightsError(f"MODEL={model!r} is not a Hugging Face directory, a faas-build layout, a .gguf file "
                        "or an s3:// prefix")
-
-
-def import_gguf_cached(gguf: Path, root: Path) -> Path:
-    from runtime.weights.layout import gguf_importer
-
-    st = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}\0{st.st_size}\0{st.st_mtime_ns}".encode()).hexdigest()[:24]
-    final = root / key
-    if (final / "config.json").is_file():
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    temp = root / f".{key}.tmp-{os.getpid()}"
-    try:
-        gguf_importer()(gguf, temp)
-        os.rename(temp, final)
-    finally:
-        shutil.rmtree(temp, ignore_errors=True)
-    return final
 
 
 def _resolve_s3(url: str, cache: DiskCache, store: S3Store) -> Path:
@@ -86,7 +74,7 @@ def _resolve_s3_model(url: str, cache: DiskCache, store: S3Store) -> Path:
     key = hashlib.sha256(orjson.dumps([url, sorted(listing.items())])).hexdigest()[:24]
     final = cache.entry_dir(f"src-{key}")
     if final.is_dir() and all((final / name).is_file() for name in listing) and listing:
-        return final if not _single_gguf(final) else import_gguf_cached(_single_gguf(final), cache.root.parent / "gguf")
+        return _model_dir(final, url, cache)
     cache.root.mkdir(parents=True, exist_ok=True)
     temp = cache.root / f".src-{key}.tmp-{os.getpid()}"
     try:
@@ -95,16 +83,18 @@ def _resolve_s3_model(url: str, cache: DiskCache, store: S3Store) -> Path:
         os.rename(temp, final)
     finally:
         shutil.rmtree(temp, ignore_errors=True)
-    if gguf := _single_gguf(final):
-        return import_gguf_cached(gguf, cache.root.parent / "gguf")
-    if not (final / "config.json").is_file():
+    return _model_dir(final, url, cache)
+
+
+def _model_dir(downloaded: Path, url: str, cache: DiskCache) -> Path:
+    found = list(downloaded.glob("*.gguf"))
+    if len(found) == 1 and not (downloaded / "config.json").is_file():
+        from runtime.weights.gguf_import import imported_model_dir
+
+        return imported_model_dir(found[0], cache.root.parent)
+    if not (downloaded / "config.json").is_file():
         raise WeightsError(f"{url} holds no faas-build layout, Hugging Face directory or .gguf file")
-    return final
-
-
-def _single_gguf(path: Path) -> Path | None:
-    found = list(path.glob("*.gguf"))
-    return found[0] if len(found) == 1 and not (path / "config.json").is_file() else None
+    return downloaded
 
 
 def _fetch_small(entry: Path, names: dict[str, str], bucket: str, store: S3Store) -> None:

@@ -40,16 +40,16 @@ def test_help_lists_every_setting():
 
 
 def test_sigterm_drains_in_flight_stream_then_exits_0(tiny_model_dir, tmp_path):
-    server = start_server(tmp_path, "drain", MODEL=str(tiny_model_dir), SHUTDOWN_GRACE_S="30")
+    server = start_server(tmp_path, "drain", MODEL=str(tiny_model_dir), SHUTDOWN_GRACE_S="120")
     try:
         server.wait_ready()
         events: list[bytes] = []
         first_event, finished = threading.Event(), threading.Event()
 
         def stream() -> None:
-            body = {"prompt": "drain me", "max_tokens": 4000, "ignore_eos": True, "stream": True,
+            body = {"prompt": "drain me", "max_tokens": 1500, "ignore_eos": True, "stream": True,
                     "stream_options": {"include_usage": True}}
-            with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+            with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as r:
                 for line in r.iter_lines():
                     if line:
                         events.append(line.encode())
@@ -61,15 +61,15 @@ def test_sigterm_drains_in_flight_stream_then_exits_0(tiny_model_dir, tmp_path):
         assert first_event.wait(10)
         server.process.send_signal(signal.SIGTERM)
         time.sleep(0.5)  # uvicorn checks for the signal every 0.1 s
-        # Refused while the stream is still running (4000 tokens take seconds even on a fast CPU) and the process still alive:
+        # Refused while the stream is still running (1500 tokens take seconds even on a fast CPU) and the process still alive:
         with pytest.raises(httpx.ConnectError):
             httpx.get(f"{server.url}/health", timeout=2)
         assert not finished.is_set() and server.process.poll() is None
-        reader.join(30)
+        reader.join(120)  # a loaded CI machine may need a while; the grace period is long enough
         assert finished.is_set() and events[-1] == b"data: [DONE]"
         chunks = [orjson.loads(e[6:]) for e in events[:-1]]
         assert chunks[-2]["choices"][0]["finish_reason"] == "length"
-        assert chunks[-1]["usage"]["completion_tokens"] == 4000  # every token of it, none cut off
+        assert chunks[-1]["usage"]["completion_tokens"] == 1500  # every token of it, none cut off
         assert server.process.wait(15) == 0
     finally:
         server.stop()

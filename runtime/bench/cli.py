@@ -1,0 +1,146 @@
+"""faas-bench: measure cold starts and load. `faas-bench coldstart --help`, `faas-bench trace --help`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import os
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from runtime.bench import BenchError
+from runtime.bench.records import ALL_MODES, SERVER_MODES
+from runtime.config import ConfigError, Settings
+from runtime.logs import setup_logging
+
+_SETTING_NAMES = {f.metadata["env"] for f in Settings.fields()}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = _parser().parse_args(argv)
+    args.argv = argv  # recorded beside the results
+    setup_logging("info")
+    try:
+        missing = [name for name in ("httpx", "matplotlib") if importlib.util.find_spec(name) is None]
+        if missing:  # found now, not after an hour of runs when the figure is drawn
+            raise BenchError(f"needs {' and '.join(missing)}: pip install 'thawllm[bench]'")
+        settings = server_settings(args)
+        if args.command == "coldstart":
+            from runtime.bench.coldstart_command import run_coldstart_command
+
+            return asyncio.run(run_coldstart_command(args, settings))
+        from runtime.bench.trace_command import run_trace_command
+
+        return asyncio.run(run_trace_command(args, settings))
+    except (BenchError, ConfigError) as exc:
+        print(f"faas-bench: {exc}", file=sys.stderr)
+        return 2
+
+
+def server_settings(args: argparse.Namespace) -> dict[str, str]:
+    """The settings every started server gets, as environment variables, checked by runtime.config."""
+    settings: dict[str, str] = {}
+    for item in args.set:
+        name, sep, value = item.partition("=")
+        if not sep or name not in _SETTING_NAMES:
+            raise ConfigError(f"--set {item!r}: expected NAME=VALUE with NAME one of the runtime's settings "
+                              f"(runtime/config.py), e.g. MAX_MODEL_LEN=2048")
+        settings[name] = value
+    for name, value in (("MODEL", args.model), ("SNAPSHOT_DIR", args.snapshot_dir), ("DEVICE", args.device),
+                        ("DTYPE", args.dtype)):
+        if value:
+            settings[name] = str(value)
+    Settings.from_env(settings)  # a bad value fails here, with the runtime's own one-line reason
+    if args.model and not args.model.startswith("s3://") and not Path(args.model).expanduser().exists():
+        raise ConfigError(f"--model {args.model!r}: no such file or directory")
+    return settings
+
+
+def _modes(allowed: tuple[str, ...]):
+    def parse(text: str) -> tuple[str, ...]:
+        modes = tuple(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))
+        unknown = [m for m in modes if m not in allowed]
+        if unknown or not modes:
+            raise argparse.ArgumentTypeError(f"modes must be among {','.join(allowed)}")
+        return modes
+
+    return parse
+
+
+def _rates(text: str) -> tuple[float, ...]:
+    try:
+        rates = tuple(float(r) for r in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError("rates are numbers, e.g. 2,10") from None
+    if not rates or any(r <= 0 for r in rates):
+        raise argparse.ArgumentTypeError("rates must be positive")
+    return rates
+
+
+def _positive(kind):
+    def parse(text: str):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError("must be positive")
+        return value
+
+    return parse
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="faas-bench", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--model", default=os.environ.get("MODEL"),
+                        help="MODEL for the servers (default: $MODEL; unset: the embedded model)")
+    common.add_argument("--snapshot-dir", default=os.environ.get("SNAPSHOT_DIR"),
+                        help="SNAPSHOT_DIR for the servers, where faas-build wrote the snapshots")
+    common.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None, help="DEVICE for the servers")
+    common.add_argument("--dtype", default=None, help="DTYPE for the servers")
+    common.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                        help="any other runtime setting for the servers (repeatable), e.g. MAX_MODEL_LEN=2048")
+    common.add_argument("--out", type=Path, required=True, help="folder for the JSON, the PNG, the table, logs")
+    common.add_argument("--timeout", type=_positive(float), default=900.0,
+                        help="seconds a start or a request may take before the run is failed (900)")
+
+    cold = sub.add_parser("coldstart", parents=[common], help="spawn -> first token per restore path",
+                          description="Start a fresh server per mode and repetition; time spawn -> first token.")
+    cold.add_argument("--modes", type=_modes(ALL_MODES), default=ALL_MODES,
+                      help=f"comma-separated, among {','.join(ALL_MODES)} (default: all)")
+    cold.add_argument("--repeat", type=_positive(int), default=3, help="runs per mode (3)")
+    cold.add_argument("--page-cache", choices=("warm", "dropped"), default="warm",
+                      help="warm: files read once before the runs; dropped: drop_caches before each (root)")
+    cold.add_argument("--prompt-tokens", type=_positive(int), default=161, help="prompt length (161, ShareGPT's mean)")
+    cold.add_argument("--max-tokens", type=_positive(int), default=4, help="tokens generated per request (4)")
+
+    trace = sub.add_parser("trace", parents=[common], help="Poisson arrivals against a scaled pool of instances",
+                           description="Replay Poisson arrivals with ShareGPT-like lengths against instances "
+                                       "that a scaler starts (real cold starts) and retires.")
+    trace.add_argument("--modes", "--mode", type=_modes(SERVER_MODES), default=("cold",),
+                       help=f"comma-separated, among {','.join(SERVER_MODES)} (default: cold)")
+    trace.add_argument("--rates", type=_rates, default=(2.0, 10.0), help="requests per second (2,10)")
+    trace.add_argument("--duration", type=_positive(float), default=60.0, help="seconds of arrivals per rate (60)")
+    trace.add_argument("--seed", type=int, default=0, help="seed of arrivals and lengths (0)")
+    trace.add_argument("--prompt-mean", type=_positive(float), default=161.0, help="mean prompt tokens (161)")
+    trace.add_argument("--output-mean", type=_positive(float), default=338.0, help="mean output tokens (338)")
+    trace.add_argument("--length-scale", type=_positive(float), default=1.0,
+                       help="multiplies both means, e.g. 0.05 for a CPU smoke run (1.0)")
+    trace.add_argument("--max-len", type=_positive(int), default=None,
+                       help="prompt + output are clipped to this (default: MAX_MODEL_LEN, else the model's, <= 4096)")
+    trace.add_argument("--max-instances", type=_positive(int), default=4, help="instances at most (4)")
+    trace.add_argument("--slots", type=_positive(int), default=16,
+                       help="requests in flight per instance before more queue at the router (16)")
+    trace.add_argument("--queue-threshold", type=int, default=4,
+                       help="queued requests per starting instance that trigger one more start (4)")
+    trace.add_argument("--idle-timeout", type=_positive(float), default=30.0,
+                       help="an instance idle this long is retired (30 s)")
+    trace.add_argument("--gpus", type=lambda t: tuple(g.strip() for g in t.split(",") if g.strip()), default=(),
+                       help="spread instances over these GPUs, round robin, e.g. 0,1 (default: all see all)")
+    return parser
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""One streamed completion, timed on the client: when it was sent, when its first token arrived, when it
+finished, and the token counts the server reported."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import httpx
+import orjson
+
+#: a prompt as text, or as token ids (exact lengths, no tokenizer round trip)
+Prompt = str | list[int]
+
+
+@dataclass
+class RequestTiming:
+    sent_at: float
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.first_token_at is not None
+
+
+async def stream_completion(client: httpx.AsyncClient, url: str, prompt: Prompt, max_tokens: int,
+                            timeout: float = 600.0, every_token: bool = False) -> RequestTiming:
+    """POST /v1/completions with stream=true. The first token is the first chunk that carries text or, with
+    `every_token`, the first chunk at all: asking for logprobs makes the server send a chunk for each token,
+    even one whose text is still incomplete (part of a UTF-8 character). A failed request never raises: the
+    reason lands in `error`."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0.0,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    if every_token:
+        body["logprobs"] = 1
+    timing = RequestTiming(sent_at=time.time())
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", content=orjson.dumps(body), timeout=timeout,
+                                 headers={"Content-Type": "application/json"}) as response:
+            if response.status_code != 200:
+                detail = (await response.aread()).decode(errors="replace")[:200]
+                timing.error = f"HTTP {response.status_code}: {detail}"
+                return timing
+            async for line in response.aiter_lines():
+                _take_event(timing, line)
+    except httpx.HTTPError as exc:
+        timing.error = f"{type(exc).__name__}: {exc}"
+    timing.finished_at = time.time()
+    if timing.error is None and timing.first_token_at is None:
+        timing.error = "the stream ended without a token"
+    return timing
+
+
+def _take_event(timing: RequestTiming, line: str) -> None:
+    if not line.startswith("data: ") or line == "data: [DONE]":
+        return
+    chunk = orjson.loads(line[6:])
+    if "error" in chunk:
+        timing.error = str(chunk["error"].get("message", chunk["error"]))
+        return
+    choices = chunk.get("choices", ())
+    if timing.first_token_at is None and any(c.get("text") or c.get("logprobs") for c in choices):
+        timing.first_token_at = time.time()
+    if chunk.get("usage"):
+        timing.prompt_tokens = chunk["usage"]["prompt_tokens"]
+        timing.completion_tokens = chunk["usage"]["completion_tokens"]

@@ -1,0 +1,110 @@
+"""`faas-bench coldstart`: one fresh process per mode and repetition, spawn -> first token, with the
+server's own stage timeline. Modes are interleaved across repetitions, so drift (thermal, page cache,
+other load) falls on every mode alike."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from runtime.bench import BenchError
+from runtime.bench.client import stream_completion
+from runtime.bench.hf_baseline import run_baseline, unavailable_reason
+from runtime.bench.instance import Instance, ModeUnavailable, child_environment
+from runtime.bench.page_cache import drop_page_cache, warm_page_cache
+from runtime.bench.prompt import PromptMaker
+from runtime.bench.records import BASELINE_MODE, ModeResult, StartRun, stages_from_durations
+from runtime.logs import get_logger
+
+log = get_logger("bench")
+
+
+@dataclass(frozen=True)
+class ColdStartPlan:
+    model: str | None
+    modes: tuple[str, ...]
+    repeat: int
+    page_cache: str  # "warm" or "dropped"
+    #: the server's settings, as environment variables (MODEL, DEVICE, SNAPSHOT_DIR...)
+    settings: dict[str, str]
+    log_dir: Path
+    prompt_tokens: int = 161
+    max_tokens: int = 4
+    timeout_s: float = 900.0
+
+
+async def run_coldstart(plan: ColdStartPlan) -> list[ModeResult]:
+    results = {mode: ModeResult(mode) for mode in plan.modes}
+    prompt = PromptMaker(plan.model).prompt(plan.prompt_tokens)
+    if BASELINE_MODE in results:
+        reason = unavailable_reason(plan.model) or (
+            None if isinstance(prompt, list) else "the model directory has no tokenizer.json")
+        if reason:
+            results[BASELINE_MODE] = ModeResult(BASELINE_MODE, "skipped", reason)
+    if plan.page_cache == "warm":
+        _warm_up(plan)
+    async with httpx.AsyncClient() as client:
+        for rep in range(plan.repeat):
+            for mode, result in results.items():
+                if result.status != "ok":  # skipped or failed once: the reason will not change
+                    continue
+                page_cache = _prepare_page_cache(plan.page_cache)
+                log.info("coldstart: %s, run %d/%d (page cache %s)", mode, rep + 1, plan.repeat, page_cache)
+                log_path = plan.log_dir / f"{mode}-{rep + 1}.log"
+                try:
+                    if mode == BASELINE_MODE:
+                        run = await run_baseline(plan.model, plan.settings.get("DEVICE", "auto"),
+                                                 plan.settings.get("DTYPE", "auto"), prompt, page_cache,
+                                                 log_path, plan.timeout_s)
+                    else:
+                        run = await _start_server_once(client, plan, mode, prompt, page_cache, log_path)
+                except ModeUnavailable as why:
+                    results[mode] = ModeResult(mode, "skipped", str(why))
+                except BenchError as exc:
+                    results[mode] = ModeResult(mode, "failed", str(exc), result.runs)
+                else:
+                    result.runs.append(run)
+    return list(results.values())
+
+
+async def _start_server_once(client: httpx.AsyncClient, plan: ColdStartPlan, mode: str, prompt, page_cache: str,
+                             log_path: Path) -> StartRun:
+    """Raises ModeUnavailable when the server took another path than `mode`."""
+    instance = Instance.spawn(mode, plan.settings, log_path)
+    try:
+        await instance.wait_ready(client, plan.timeout_s)
+        instance.check_restore_path()
+        timing = await stream_completion(client, instance.url, prompt, plan.max_tokens, plan.timeout_s,
+                                          every_token=True)
+        if not timing.ok:
+            raise BenchError(f"the {mode} server's first request failed: {timing.error}")
+        health = await instance.fetch_health(client)  # now with the first_token stage
+    finally:
+        await instance.stop()
+    stages = health.get("stages") or stages_from_durations(health.get("timeline", {}))
+    return StartRun(mode=mode, restore_path=mode, spawn_to_ready_s=round(instance.ready_at - instance.spawned_at, 6),
+                    spawn_to_first_token_s=round(timing.first_token_at - instance.spawned_at, 6), stages=stages,
+                    prompt_tokens=timing.prompt_tokens, page_cache=page_cache)
+
+
+def _prepare_page_cache(wanted: str) -> str:
+    if wanted != "dropped":
+        return "warm"
+    why_not = drop_page_cache()
+    if why_not:
+        log.warning("%s: this run starts with a warm page cache", why_not)
+        return f"warm ({why_not})"
+    return "dropped"
+
+
+def _warm_up(plan: ColdStartPlan) -> None:
+    """Bring the model, the snapshots and the Python libraries into the page cache, so that the first run
+    is as warm as the others."""
+    paths = [Path(p).expanduser() for p in (plan.model, plan.settings.get("SNAPSHOT_DIR")) if p]
+    warm_page_cache([p for p in paths if p.exists() and not str(p).startswith("s3:")])
+    subprocess.run([sys.executable, "-c", "import torch, runtime.launch"], env=child_environment({}, 0.0),
+                   check=False, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -1,0 +1,31 @@
+"""`faas-bench coldstart`: run, then print the table and write coldstart.json, coldstart.md, coldstart.png."""
+
+from __future__ import annotations
+
+import argparse
+
+from runtime.bench.coldstart import ColdStartPlan, run_coldstart
+from runtime.bench.machine import describe_machine
+from runtime.bench.plots import plot_coldstart
+from runtime.bench.report import provenance, coldstart_json, coldstart_table, write_json
+
+
+async def run_coldstart_command(args: argparse.Namespace, settings: dict[str, str]) -> int:
+    plan = ColdStartPlan(model=args.model, modes=args.modes, repeat=args.repeat, page_cache=args.page_cache,
+                         settings=settings, log_dir=args.out / "logs", prompt_tokens=args.prompt_tokens,
+                         max_tokens=args.max_tokens, timeout_s=args.timeout)
+    results = await run_coldstart(plan)
+    context = {"command": "coldstart", "argv": args.argv, "machine": describe_machine(),
+               "model": args.model or "(embedded)", "settings": settings, "page_cache": args.page_cache,
+               "repeat": args.repeat, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens}
+    table = coldstart_table(results)
+    write_json(args.out / "coldstart.json", coldstart_json(results, context))
+    table = provenance(context) + "\n\n" + table
+    (args.out / "coldstart.md").write_text(table + "\n")
+    machine = context["machine"]
+    title = (f"cold start of {context['model']} on {', '.join(machine['gpus']) or 'CPU'} "
+             f"(page cache {args.page_cache}, {machine['date_utc'][:10]})")
+    plot_coldstart(results, args.out / "coldstart.png", title)
+    print(table)
+    print(f"\nwrote {args.out / 'coldstart.json'}, {args.out / 'coldstart.png'}, {args.out / 'coldstart.md'}")
+    return 1 if any(r.status == "failed" for r in results) else 0

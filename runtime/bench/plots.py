@@ -1,0 +1,120 @@
+"""The figures: the cold-start breakdown (one bar per mode, stages on a shared time axis, like Medusa's
+Fig. 8) and the trace (p99 TTFT against request rate and against throughput, like Figs. 10 and 11, and the
+TTFT distribution). matplotlib is imported here only, when a figure is drawn."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from runtime.bench.records import ModeResult, StartRun
+from runtime.timeline import STAGE_ORDER
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.stem}.tmp-{os.getpid()}{path.suffix}")
+    fig.savefig(tmp, dpi=150, bbox_inches="tight")
+    tmp.replace(path)
+
+
+def median_run(runs: list[StartRun]) -> StartRun:
+    ordered = sorted(runs, key=lambda r: r.spawn_to_first_token_s)
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def assign_lanes(stages: list[dict[str, Any]]) -> list[int]:
+    """Lane per stage so that stages overlapping in time (weights streaming under graph restore) sit on
+    separate lanes of the same bar instead of hiding each other."""
+    lane_ends: list[float] = []
+    lanes = [0] * len(stages)
+    for i in sorted(range(len(stages)), key=lambda i: stages[i]["start_s"]):
+        start, end = stages[i]["start_s"], stages[i]["end_s"]
+        lane = next((n for n, last in enumerate(lane_ends) if last <= start + 1e-6), len(lane_ends))
+        if lane == len(lane_ends):
+            lane_ends.append(end)
+        lane_ends[lane] = end
+        lanes[i] = lane
+    return lanes
+
+
+def plot_coldstart(results: list[ModeResult], path: Path, title: str) -> None:
+    plt = _pyplot()
+    colors = {name: plt.get_cmap("tab20")(i % 20) for i, name in enumerate(STAGE_ORDER)}
+    fig, ax = plt.subplots(figsize=(11, 1.0 + 0.9 * len(results)))
+    labelled: set[str] = set()
+    for row, result in enumerate(reversed(results)):
+        if not result.runs:
+            ax.text(0.0, row, f"  {result.status}: {(result.reason or '')[:110]}", va="center", fontsize=8,
+                    color="0.35")
+            continue
+        run = median_run(result.runs)
+        # underneath, the whole spawn -> first token span: time that no stage accounts for shows grey
+        ax.barh(row, run.spawn_to_first_token_s, height=0.8, color="0.9",
+                label=None if "(no stage)" in labelled else "(no stage)")
+        labelled.add("(no stage)")
+        stages = [s for s in run.stages if s.get("end_s") is not None]
+        lanes = assign_lanes(stages)
+        height = 0.8 / (max(lanes, default=0) + 1)
+        for stage, lane in zip(stages, lanes):
+            name = stage["stage"]
+            color = colors.get(name, "0.6")
+            ax.barh(row - 0.4 + height * (lane + 0.5), stage["end_s"] - stage["start_s"], height=height,
+                    left=stage["start_s"], color=color, edgecolor="white", linewidth=0.5,
+                    label=None if name in labelled else name)
+            labelled.add(name)
+        ax.plot([run.spawn_to_first_token_s] * 2, [row - 0.45, row + 0.45], color="black", linewidth=1.5)
+        ax.text(run.spawn_to_first_token_s, row, f" {run.spawn_to_first_token_s:.2f} s", va="center", fontsize=8)
+    ax.set_yticks(range(len(results)), [r.mode for r in reversed(results)])
+    ax.set_xlabel("seconds since spawn (median run; black line: first token at the client)")
+    ax.set_title(title, fontsize=10)
+    ax.set_xlim(left=0)
+    ax.set_ylim(-0.6, len(results) - 0.4)
+    handles, labels = ax.get_legend_handles_labels()
+    order = sorted(range(len(labels)), key=lambda i: _stage_rank(labels[i]))
+    ax.legend([handles[i] for i in order], [labels[i] for i in order], fontsize=7, loc="upper left",
+              bbox_to_anchor=(1.0, 1.0))
+    _save(fig, path)
+    plt.close(fig)
+
+
+def _stage_rank(name: str) -> int:
+    return STAGE_ORDER.index(name) if name in STAGE_ORDER else len(STAGE_ORDER)
+
+
+def plot_trace(points: list[dict[str, Any]], path: Path, title: str) -> None:
+    """`points`: one per (mode, rate) that ran, with rate, throughput_rps, ttft_p99_s and ttfts_s."""
+    plt = _pyplot()
+    fig, (by_rate, by_throughput, cdf) = plt.subplots(1, 3, figsize=(15, 4))
+    modes = list(dict.fromkeys(p["mode"] for p in points))
+    styles = ["-", "--", ":", "-."]
+    for i, mode in enumerate(modes):
+        mine = sorted((p for p in points if p["mode"] == mode), key=lambda p: p["rate"])
+        color = plt.get_cmap("tab10")(i)
+        by_rate.plot([p["rate"] for p in mine], [p["ttft_p99_s"] for p in mine], "o-", color=color, label=mode)
+        by_throughput.plot([p["throughput_rps"] for p in mine], [p["ttft_p99_s"] for p in mine], "o-",
+                           color=color, label=mode)
+        for j, p in enumerate(mine):
+            ttfts = sorted(p["ttfts_s"])
+            cdf.plot(ttfts, [(k + 1) / len(ttfts) for k in range(len(ttfts))], styles[j % len(styles)],
+                     color=color, label=f"{mode} @ {p['rate']:g}/s", drawstyle="steps-post")
+    by_rate.set(xlabel="request rate (requests/s)", ylabel="p99 TTFT (s)", title="p99 TTFT vs rate")
+    by_throughput.set(xlabel="throughput (requests/s)", ylabel="p99 TTFT (s)", title="p99 TTFT vs throughput")
+    cdf.set(xlabel="TTFT (s)", ylabel="share of requests", title="TTFT distribution")
+    for ax in (by_rate, by_throughput, cdf):
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    _save(fig, path)
+    plt.close(fig)

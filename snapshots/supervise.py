@@ -1,0 +1,42 @@
+"""The bootstrap after a CRIU restore: a thin supervisor of the restored runtime.
+
+Why supervise rather than exec: the restored process is not a program that can be exec'd; CRIU creates it
+as a child (here of the bootstrap, its subreaper). The bootstrap is the container's pid 1, so it stays: it
+forwards SIGTERM/SIGINT (Knative's drain) to the runtime, reaps what is orphaned to it, and exits with the
+runtime's status so the platform sees the real outcome.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+from runtime.logs import get_logger
+
+log = get_logger("snapshots.supervise")
+
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def supervise(pid: int) -> int:
+    """Forward signals to PID until it exits; return its exit status (128 + signal when killed)."""
+
+    def forward(signum: int, frame: object) -> None:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+    for signum in FORWARDED:
+        signal.signal(signum, forward)
+    while True:
+        try:
+            reaped, status = os.waitpid(-1, 0)
+        except ChildProcessError:
+            return 1
+        except InterruptedError:
+            continue
+        if reaped == pid:
+            code = os.waitstatus_to_exitcode(status)
+            log.info("the restored runtime exited with %d", code)
+            return code if code >= 0 else 128 - code

@@ -1,0 +1,49 @@
+"""The fingerprint and the CRIU prerequisites: what decides, at every boot, whether a snapshot is used."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+from runtime.config import Settings
+from snapshots.criu import Criu, restore_blockers
+from snapshots.fingerprint import current_fingerprint, mismatch, model_hash
+
+
+def test_instance_settings_are_not_in_the_fingerprint_but_engine_settings_are(tiny_model):
+    model = tiny_model("tiny-llama")
+    baked = current_fingerprint(Settings.from_env({"MODEL": model, "DEVICE": "cpu", "PORT": "1"}), "4.1.1")
+    same = current_fingerprint(Settings.from_env({"MODEL": model, "DEVICE": "cpu", "PORT": "8080",
+                                                  "API_KEY": "k", "HANDLER": "x:y", "LOG_LEVEL": "debug"}), "4.1.1")
+    assert mismatch(baked, same) is None
+    longer = current_fingerprint(Settings.from_env({"MODEL": model, "DEVICE": "cpu", "MAX_MODEL_LEN": "64"}), "4.1.1")
+    assert mismatch(baked, longer).startswith("fingerprint mismatch: engine_config")
+
+
+def test_mismatch_names_the_first_differing_field_unless_ignored(tiny_model):
+    here = current_fingerprint(Settings.from_env({"MODEL": tiny_model("tiny-llama"), "DEVICE": "cpu"}), "4.1.1")
+    baked = here.from_dict(here.as_dict() | {"driver": "550.1", "criu": "4.0"})
+    assert mismatch(baked, here) == f"fingerprint mismatch: driver baked '550.1', here {here.driver!r}"
+    assert mismatch(baked, here, ignore=("driver",)) == "fingerprint mismatch: criu baked '4.0', here '4.1.1'"
+    assert mismatch(baked, here, ignore=("driver", "criu")) is None
+
+
+def test_model_hash_follows_the_weights_and_the_layout_content_hash(tiny_model, tmp_path):
+    copy = tmp_path / "model"
+    shutil.copytree(tiny_model("tiny-llama"), copy)
+    before = model_hash(str(copy))
+    assert model_hash(str(copy)) == before
+    weights = next(copy.glob("*.safetensors"))
+    with open(weights, "ab") as f:
+        f.write(b"\0" * 8)
+    assert model_hash(str(copy)) != before
+    (copy / "manifest.json").write_text(json.dumps({"content_hash": "sha256:abc"}))  # a faas-build layout
+    assert model_hash(str(copy)) == "sha256:abc"
+    assert model_hash(None).startswith("embedded:") and model_hash(None) != "embedded:missing"
+
+
+def test_criu_prerequisites_say_why_not(monkeypatch):
+    assert restore_blockers(None) == ["criu is not installed (scripts/install_criu.sh)"]
+    assert any("older than 4.0" in r for r in restore_blockers(Criu("/usr/sbin/criu", "3.17.1")))
+    monkeypatch.setenv("AWS_LAMBDA_RUNTIME_API", "127.0.0.1:9001")
+    assert "AWS Lambda grants no ptrace or checkpoint/restore capability" in restore_blockers(Criu("c", "4.1.1"))

@@ -1,0 +1,50 @@
+"""GPU snapshots on the GPU machine: a ready engine checkpointed with the CUDA checkpoint API and CRIU,
+restored by faas-bootstrap, serving the same greedy output as a cold start on the same GPU."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from runtime.config import Settings
+from snapshots.image import SnapshotImage
+from tests.server.conftest import API_KEY, start_server
+
+pytestmark = [pytest.mark.gpu, pytest.mark.criu]
+
+GPU_ENV = {"DEVICE": "cuda", "MAX_MODEL_LEN": "2048", "MAX_NUM_SEQS": "16", "GPU_MEMORY_UTILIZATION": "0.3"}
+
+
+def greedy_text(server) -> str:
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    r = client.completions.create(model="tiny-llama", prompt="The GPU snapshot restores", max_tokens=24,
+                                  temperature=0.0, extra_body={"ignore_eos": True})
+    return r.choices[0].text
+
+
+def test_gpu_snapshot_serves_like_a_cold_start(tiny_model_dir, tmp_path):
+    from snapshots.gpu import bake_gpu_snapshot
+
+    cold = start_server(tmp_path, "cold", MODEL=str(tiny_model_dir), API_KEY=API_KEY, **GPU_ENV)
+    try:
+        cold.wait_ready(timeout=300)
+        cold_text = greedy_text(cold)
+    finally:
+        cold.stop()
+
+    snapshot_dir = tmp_path / "snapshots"
+    image = bake_gpu_snapshot(Settings.from_env({"MODEL": str(tiny_model_dir), **GPU_ENV}), tiny_model_dir,
+                              snapshot_dir)
+    assert SnapshotImage.read(snapshot_dir / "gpu").fingerprint.gpu_model == image.fingerprint.gpu_model != "none"
+
+    server = start_server(tmp_path, "gpu", MODEL=str(tiny_model_dir), SNAPSHOT_DIR=str(snapshot_dir),
+                          API_KEY=API_KEY, **GPU_ENV)
+    try:
+        server.wait_ready(timeout=120)
+        state = httpx.get(f"{server.url}/health", timeout=5).json()
+        assert state["restore_path"] == "gpu", state
+        assert "restore" in state["timeline"] and "weights" not in state["timeline"]
+        assert greedy_text(server) == cold_text
+    finally:
+        assert server.stop() == 0

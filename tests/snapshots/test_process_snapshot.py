@@ -1,0 +1,162 @@
+"""Process snapshots with real CRIU: baked once, restored by faas-bootstrap, served through the real server
+and the real OpenAI client; and the fallbacks when the snapshot does not fit or is damaged."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from snapshots.image import IMAGES, MANIFEST, SnapshotImage
+from tests.server.conftest import API_KEY, start_server
+from tests.snapshots.conftest import BAKE_ONLY, ENGINE_ENV
+
+pytestmark = pytest.mark.criu
+
+PROMPT = "The snapshot restores"
+
+
+def greedy_text(server) -> str:
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+    r = client.completions.create(model="tiny-llama", prompt=PROMPT, max_tokens=24, temperature=0.0,
+                                  extra_body={"ignore_eos": True})
+    return r.choices[0].text
+
+
+def health(server) -> dict:
+    return httpx.get(f"{server.url}/health", timeout=5).json()
+
+
+def children_of(pid: int) -> list[int]:
+    kids = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        kids += [int(p) for p in (task / "children").read_text().split()]
+    return kids
+
+
+@pytest.fixture(scope="module")
+def cold_text(tiny_model_dir, tmp_path_factory) -> str:
+    server = start_server(tmp_path_factory.mktemp("cold"), "cold", MODEL=str(tiny_model_dir), API_KEY=API_KEY,
+                          **ENGINE_ENV)
+    try:
+        server.wait_ready()
+        return greedy_text(server)
+    finally:
+        server.stop()
+
+
+def boot(tmp_path: Path, model: Path, snapshot_dir: Path, **env: str):
+    server = start_server(tmp_path, "boot", MODEL=str(model), SNAPSHOT_DIR=str(snapshot_dir), API_KEY=API_KEY,
+                          **(ENGINE_ENV | env))
+    server.wait_ready()
+    return server
+
+
+def test_bake_writes_a_checked_image_with_its_fingerprint(process_snapshot, tiny_model_dir):
+    image = SnapshotImage.read(process_snapshot / "process")
+    assert image.kind == "process" and image.verify_restore_s > 0 and image.dump_s > 0
+    assert image.fingerprint.torch and image.fingerprint.criu.startswith("4.")
+    assert json.loads(image.fingerprint.engine_config)["max_model_len"] == 2048
+    assert image.size_bytes > 10_000_000  # torch and the engine are in it
+    assert [p.name for p in process_snapshot.iterdir()] == ["process"]  # no temporary left beside it
+
+
+def test_restored_runtime_serves_like_a_cold_start(process_snapshot, tiny_model_dir, cold_text, tmp_path):
+    server = boot(tmp_path, tiny_model_dir, process_snapshot)
+    try:
+        state = health(server)
+        assert state["restore_path"] == "process"
+        assert state["skipped"] == {"gpu": f"no snapshot at {process_snapshot / 'gpu'}"}
+        assert "restore" in state["timeline"] and 0 < state["timeline"]["restore"] < 5
+        assert greedy_text(server) == cold_text
+        # PORT and API_KEY are the ones it was restored with, not the baked ones
+        baked_key = httpx.get(f"{server.url}/v1/models", timeout=5,
+                              headers={"Authorization": f"Bearer {BAKE_ONLY['API_KEY']}"})
+        assert baked_key.status_code == 401
+        log = server.log()
+        assert "process snapshot restored in" in log and "restore path process" in log  # on the new stderr
+    finally:
+        assert server.stop() == 0  # SIGTERM forwarded to the restored runtime, which drained and exited 0
+
+
+def test_timeline_is_measured_from_the_new_spawn(process_snapshot, tiny_model_dir, tmp_path):
+    server = boot(tmp_path, tiny_model_dir, process_snapshot)
+    try:
+        table = server.log().split("cold-start timeline (seconds since spawn)")[1]
+        restore_row = next(line for line in table.splitlines() if line.strip().startswith("restore"))
+        start = float(restore_row.split()[1])
+        assert 0 <= start < 10  # seconds after the bootstrap's spawn, not after the bake
+    finally:
+        server.stop()
+
+
+def test_fingerprint_mismatch_falls_back_to_cold(snapshot_copy, tiny_model_dir, cold_text, tmp_path):
+    manifest = snapshot_copy / "process" / MANIFEST
+    data = json.loads(manifest.read_text())
+    data["fingerprint"]["torch"] = "0.0.1"
+    manifest.write_text(json.dumps(data))
+    server = boot(tmp_path, tiny_model_dir, snapshot_copy)
+    try:
+        state = health(server)
+        assert state["restore_path"] == "cold"
+        assert state["skipped"]["process"].startswith("fingerprint mismatch: torch baked '0.0.1'")
+        assert "restore path process skipped: fingerprint mismatch: torch" in server.log()
+        assert greedy_text(server) == cold_text
+    finally:
+        server.stop()
+
+
+def test_changed_engine_settings_do_not_restore(process_snapshot, tiny_model_dir, tmp_path):
+    server = boot(tmp_path, tiny_model_dir, process_snapshot, MAX_NUM_SEQS="8")
+    try:
+        assert health(server)["skipped"]["process"].startswith("fingerprint mismatch: engine_config")
+    finally:
+        server.stop()
+
+
+def test_corrupted_image_falls_back_to_cold_leaving_nothing_behind(snapshot_copy, tiny_model_dir, cold_text,
+                                                                   tmp_path):
+    for core in (snapshot_copy / "process" / IMAGES).glob("core-*.img"):
+        core.write_bytes(bytes(range(256)) * (core.stat().st_size // 256) + b"\0" * (core.stat().st_size % 256))
+    server = boot(tmp_path, tiny_model_dir, snapshot_copy)
+    try:
+        state = health(server)
+        assert state["restore_path"] == "cold"
+        assert state["skipped"]["process"].startswith("failed: SnapshotError: criu restore exited")
+        assert "restore path process failed, starting fresh" in server.log()
+        assert children_of(server.process.pid) == []  # no restored process left running
+        assert greedy_text(server) == cold_text
+    finally:
+        server.stop()
+
+
+def test_truncated_image_is_caught_before_criu_runs(snapshot_copy, tiny_model_dir, tmp_path):
+    pages = max((snapshot_copy / "process" / IMAGES).glob("pages-*.img"), key=lambda p: p.stat().st_size)
+    with open(pages, "r+b") as f:
+        f.truncate(pages.stat().st_size // 2)
+    server = boot(tmp_path, tiny_model_dir, snapshot_copy)
+    try:
+        assert health(server)["skipped"]["process"] == (
+            f"image file {pages.name} is {pages.stat().st_size} bytes, baked {pages.stat().st_size * 2}")
+    finally:
+        server.stop()
+
+
+def test_snapshot_without_pid_namespace_restores_with_its_own_pids(tiny_model_dir, cold_text, tmp_path):
+    from runtime.config import Settings
+    from snapshots.process import bake_process_snapshot
+
+    settings = Settings.from_env({"MODEL": str(tiny_model_dir), **ENGINE_ENV})
+    image = bake_process_snapshot(settings, tiny_model_dir, tmp_path / "snapshots", pid_namespace=False)
+    assert image.pid_namespace is False
+    server = boot(tmp_path, tiny_model_dir, tmp_path / "snapshots")
+    try:
+        assert health(server)["restore_path"] == "process"
+        runtime_pid = children_of(server.process.pid)[0]
+        assert Path(f"/proc/{runtime_pid}/status").read_text().count("NSpid:\t%d\n" % runtime_pid) == 1
+        assert greedy_text(server) == cold_text
+    finally:
+        assert server.stop() == 0

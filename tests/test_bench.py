@@ -1,0 +1,141 @@
+"""faas-bench end to end on CPU: both subcommands against the tiny model, run as a user runs them (a child
+process), with real servers started per mode. Structure and sensible ordering are asserted, never speed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from runtime.bench.plots import assign_lanes
+from runtime.bench.workload import WorkloadShape, make_workload
+
+REPO = Path(__file__).resolve().parents[1]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+SNAPSHOT_MODES = ("gpu", "process", "materialized")
+
+
+def faas_bench(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "runtime.bench.cli", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def coldstart(tiny_model, tmp_path_factory):
+    out = tmp_path_factory.mktemp("coldstart")
+    done = faas_bench("coldstart", "--model", tiny_model("tiny-llama"), "--device", "cpu", "--repeat", "1",
+                      "--max-tokens", "2", "--out", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out, done.stdout
+
+
+def test_coldstart_times_every_mode_that_runs_on_cpu(coldstart):
+    out, stdout = coldstart
+    report = json.loads((out / "coldstart.json").read_text())
+    modes = report["modes"]
+    assert list(modes) == ["gpu", "process", "materialized", "cold", "transformers"]
+    for mode in ("cold", "transformers"):
+        assert modes[mode]["status"] == "ok", modes[mode]
+        (run,) = modes[mode]["runs"]
+        assert run["prompt_tokens"] == 161
+        assert 0 < run["spawn_to_ready_s"] < run["spawn_to_first_token_s"]
+        names = [s["stage"] for s in run["stages"]]
+        assert {"runtime_init", "weights", "first_token"} <= set(names)
+        for stage in run["stages"]:
+            assert 0 <= stage["start_s"] <= stage["end_s"] <= run["spawn_to_first_token_s"] + 1e-3
+        summary = modes[mode]["summary"]["spawn_to_first_token_s"]
+        assert summary["min"] == summary["median"] == summary["max"] == run["spawn_to_first_token_s"]
+    assert modes["cold"]["runs"][0]["restore_path"] == "cold"
+
+
+def test_coldstart_reports_modes_without_a_snapshot_as_skipped_with_the_servers_reason(coldstart):
+    out, stdout = coldstart
+    modes = json.loads((out / "coldstart.json").read_text())["modes"]
+    for mode in SNAPSHOT_MODES:  # no SNAPSHOT_DIR: the server falls back to cold and says why
+        assert modes[mode]["status"] == "skipped"
+        assert modes[mode]["runs"] == []
+        assert "SNAPSHOT_DIR" in modes[mode]["reason"]
+        assert f"| {mode} | 0 | skipped: " in stdout
+
+
+def test_coldstart_writes_a_pasteable_table_and_the_figure(coldstart):
+    out, stdout = coldstart
+    table = (out / "coldstart.md").read_text()
+    assert table.strip() in stdout
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line]
+    assert [row.split("|")[1].strip() for row in rows[1:]] == ["gpu", "process", "materialized", "cold",
+                                                               "transformers"]
+    png = (out / "coldstart.png").read_bytes()
+    assert png.startswith(PNG_MAGIC) and len(png) > 10_000
+
+
+def test_trace_measures_ttft_including_the_cold_start_of_each_instance(tiny_model, tmp_path):
+    done = faas_bench("trace", "--model", tiny_model("tiny-llama"), "--device", "cpu", "--modes", "cold",
+                      "--rates", "1,3", "--duration", "3", "--length-scale", "0.05", "--max-instances", "2",
+                      "--slots", "2", "--queue-threshold", "1", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "trace.json").read_text())
+    assert [(p["mode"], p["rate"]) for p in report["points"]] == [("cold", 1.0), ("cold", 3.0)]
+    for point in report["points"]:
+        assert point["status"] == "ok", point
+        assert point["requests"] == point["completed"] == len(point["ttfts_s"]) > 0
+        assert point["error_count"] == 0
+        assert 0 < point["ttft_p50_s"] <= point["ttft_p99_s"] <= max(point["ttfts_s"])
+        assert point["throughput_rps"] > 0 and point["output_tokens_per_s"] > 0
+        assert 1 <= len(point["instances"]) <= 2
+        assert all(i["restore_path"] == "cold" for i in point["instances"] if i["spawn_to_ready_s"])
+        # the pool starts empty: the first request waits for a whole cold start
+        first_ready = min(i["spawn_to_ready_s"] for i in point["instances"] if i["spawn_to_ready_s"])
+        assert point["ttfts_s"][0] >= first_ready
+    # at 3 requests/s three requests wait within 0.5 s, long before a first start ends: a second is started
+    assert len(report["points"][1]["instances"]) == 2
+    assert (tmp_path / "trace.png").read_bytes().startswith(PNG_MAGIC)
+    assert "| cold | 3 |" in done.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["coldstart", "--model", "/no/such/model"], "no such file or directory"),
+    (["coldstart", "--set", "MAX_MODEL_LEN"], "NAME=VALUE"),
+    (["trace", "--set", "MAX_MODEL_LEN=-3"], "MAX_MODEL_LEN='-3'"),
+])
+def test_bad_input_fails_with_one_line(tmp_path, args, message):
+    done = faas_bench(*args, "--out", str(tmp_path))
+    assert done.returncode == 2
+    assert done.stderr.startswith("faas-bench: ") and message in done.stderr
+    assert done.stderr.count("\n") == 1
+    assert not any(tmp_path.iterdir())
+
+
+def test_workload_lengths_have_sharegpt_means_and_fit_the_context():
+    requests = make_workload(WorkloadShape(rate=50, duration_s=400, max_len=2048, seed=3))
+    assert abs(len(requests) / 400 - 50) < 2.5  # Poisson arrivals at the asked rate
+    assert all(b.arrival_s > a.arrival_s for a, b in zip(requests, requests[1:]))
+    prompt_mean = sum(r.prompt_tokens for r in requests) / len(requests)
+    output_mean = sum(r.output_tokens for r in requests) / len(requests)
+    assert abs(prompt_mean - 161) < 8 and abs(output_mean - 338) < 17
+    assert all(r.prompt_tokens + r.output_tokens <= 2048 and r.output_tokens >= 1 for r in requests)
+    shorter = make_workload(WorkloadShape(rate=50, duration_s=10, max_len=2048, seed=3))
+    assert shorter == requests[:len(shorter)]  # seeded: the same trace, cut shorter
+
+
+def test_overlapping_stages_are_drawn_on_separate_lanes_of_a_bar():
+    stages = [{"start_s": 0.0, "end_s": 1.0}, {"start_s": 1.0, "end_s": 3.0},  # end to end: one lane
+              {"start_s": 1.5, "end_s": 2.5},  # under the weights: a second lane
+              {"start_s": 3.0, "end_s": 3.2}]
+    assert assign_lanes(stages) == [0, 0, 1, 0]
+
+
+def test_a_server_that_cannot_start_is_reported_failed_with_its_error(tmp_path):
+    not_a_model = tmp_path / "empty"
+    not_a_model.mkdir()
+    done = faas_bench("coldstart", "--model", str(not_a_model), "--device", "cpu", "--modes", "cold,transformers",
+                      "--repeat", "2", "--out", str(tmp_path / "out"))
+    assert done.returncode == 1, done.stderr[-3000:]
+    modes = json.loads((tmp_path / "out" / "coldstart.json").read_text())["modes"]
+    assert modes["cold"]["status"] == "failed"
+    assert modes["cold"]["reason"].startswith("the cold server failed to start: ")  # then the server's error
+    assert modes["transformers"]["status"] == "skipped" and "Hugging Face" in modes["transformers"]["reason"]
+    assert (tmp_path / "out" / "coldstart.png").read_bytes().startswith(PNG_MAGIC)
