@@ -10,6 +10,7 @@ The steps, in order, are `STEPS`; a new step (snapshots) is a function appended 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -75,6 +76,8 @@ def parse_args(argv: Sequence[str]) -> Build:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     setup_logging("info")
+    # SIGTERM unwinds like Ctrl-C, through every step's clean-up, so an interrupted build leaves nothing
+    signal.signal(signal.SIGTERM, lambda *_: _interrupt())
     try:
         build = parse_args(argv)
         for step in STEPS:
@@ -82,7 +85,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (BuildError, WeightsError) as exc:
         print(f"faas-build: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("faas-build: interrupted; nothing was left at --out", file=sys.stderr)
+        return 130
     return 0
+
+
+def _interrupt() -> None:
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

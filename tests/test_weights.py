@@ -146,3 +146,34 @@ def test_a_gguf_file_builds_the_same_bytes_as_its_imported_directory(tmp_path):
     layout_loader(tmp_path / "layout")(manifest.plan, got).wait()
     assert torch.equal(got, expected)
     assert (tmp_path / "layout" / "tokenizer.json").read_bytes() == (imported / "tokenizer.json").read_bytes()
+
+
+def test_an_interrupted_build_leaves_nothing_and_a_killed_ones_leftovers_are_cleared(tiny_model, tmp_path):
+    import socket
+    import time
+
+    hang = socket.socket()  # accepts connections into its backlog and never answers: the build hangs in S3
+    hang.bind(("127.0.0.1", 0))
+    hang.listen(8)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{hang.getsockname()[1]}", "AWS_ACCESS_KEY_ID": "x",
+           "AWS_SECRET_ACCESS_KEY": "x", "AWS_DEFAULT_REGION": "us-east-1", "TMPDIR": str(scratch)}
+    proc = subprocess.Popen([sys.executable, "-m", "snapshots.build", "--model", "s3://b/model", "--out",
+                             str(tmp_path / "out")], env={**os.environ, **env}, cwd=Path(__file__).parent.parent,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while not list(scratch.glob("faas-build-*")) and time.time() < deadline:
+        time.sleep(0.05)
+    assert list(scratch.glob("faas-build-*")), "the build never started"
+    proc.terminate()
+    assert proc.wait(timeout=30) == 130
+    assert "faas-build: interrupted" in proc.stderr.read()
+    assert list(scratch.iterdir()) == [] and not (tmp_path / "out").exists()
+    hang.close()
+
+    dead = tmp_path / ".layout.tmp-999999999"  # what a SIGKILLed build of ./layout leaves
+    dead.mkdir()
+    (dead / "weights-00000.bin").write_bytes(b"half")
+    write_layout(tiny_model("tiny-qwen2"), str(tmp_path / "layout"), dtype="float32", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["layout", "tmp"]

@@ -65,6 +65,7 @@ def write_layout(source: str, out: str, *, dtype: str = "bfloat16", file_bytes: 
         final = Path(out)
         temp = final.parent / f".{final.name}.tmp-{os.getpid()}"
         final.parent.mkdir(parents=True, exist_ok=True)
+        _remove_dead_temps(final)
         try:
             manifest = _write_local(model_dir, temp, dtype, file_bytes, chunk_bytes, hash, content_hash, progress)
             os.rename(temp, final)
@@ -153,6 +154,14 @@ def _write_local(model_dir: Path, out: Path, dtype: str, file_bytes: int, chunk_
                         tuple(tensors), copied)
     (out / MANIFEST).write_bytes(manifest.to_json())
     return manifest
+
+
+def _remove_dead_temps(final: Path) -> None:
+    """Temporaries of builds of the same layout that were killed (SIGKILL leaves no chance to clean up)."""
+    for temp in final.parent.glob(f".{final.name}.tmp-*"):
+        pid = temp.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(temp, ignore_errors=True)
 
 
 def split_into_files(plan: WeightPlan, file_bytes: int) -> list[tuple[int, int, list[PlannedTensor]]]:
