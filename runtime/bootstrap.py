@@ -138,8 +138,8 @@ def build_fresh(settings: Settings, timeline: Timeline) -> "Engine":
     from runtime.launch import build_engine, engine_config
 
     timeline.mark(stages.RUNTIME_INIT)
-    model_dir = resolve_model(settings.model, settings.cache_dir)
-    return build_engine(model_dir, engine_config(settings), timeline, served_model_name(settings))
+    model_dir = resolve_model(settings)
+    return build_engine(model_dir, engine_config(settings), timeline, served_model_name(settings), settings)
 
 
 # -- the model ---------------------------------------------------------------------------------------------
@@ -162,23 +162,11 @@ def check_model_ref(model: str | None) -> None:
         raise ConfigError(f"MODEL={model!r}: no such file or directory")
 
 
-def resolve_model(model: str | None, cache_dir: Path) -> Path:
-    """MODEL -> a local Hugging Face model directory. A GGUF (the embedded SmolLM2 when MODEL is unset) is
-    imported into the cache directory on its first start and reused afterwards."""
-    # TODO(weights): faas-build layouts and s3:// prefixes resolve through runtime/weights once they land.
-    if model is None:
-        from runtime.weights.embedded import embedded_model_dir
+def resolve_model(settings: Settings) -> Path:
+    """MODEL -> a local model directory (runtime/weights/resolve.py has the forms)."""
+    from runtime.weights.resolve import resolve_model as resolve
 
-        return embedded_model_dir(cache_dir)
-    path = Path(model).expanduser()
-    if path.is_file() and path.suffix == ".gguf":
-        from runtime.weights.gguf_import import imported_model_dir
-
-        return imported_model_dir(path, cache_dir)
-    if not (path.is_dir() and (path / "config.json").exists()):
-        raise RuntimeError(f"MODEL={model!r} is neither a GGUF file nor a Hugging Face model directory "
-                           "(no config.json); layouts and s3:// need runtime/weights")
-    return path
+    return resolve(settings.model, settings.cache_dir, settings.cache_max_gb)
 
 
 def served_model_name(settings: Settings) -> str | None:

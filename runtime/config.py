@@ -103,6 +103,10 @@ class Settings:
         "CACHE_DIR", lambda t: Path(t).expanduser(), _default_cache_dir(),
         "local disk cache for weights and the imported embedded model")
     cache_max_gb: float = _setting("CACHE_MAX_GB", _positive_float, 100.0, "disk cache size bound (GiB)")
+    s3_concurrency: int = _setting(
+        "S3_CONCURRENCY", _positive_int, 16, "S3 ranged GETs (and multipart upload parts) in flight")
+    s3_part_mb: float = _setting(
+        "S3_PART_MB", _positive_float, 16.0, "size of one S3 ranged GET or multipart upload part (MiB)")
     api_key: str | None = _setting("API_KEY", _optional_str, None, "require this bearer token (unset: open)")
     max_model_len: int | None = _setting(
         "MAX_MODEL_LEN", _optional_positive_int, None, "context length (default: the model's, at most 4096)")

@@ -34,9 +34,30 @@ def engine_config(settings: Settings, device: str | None = None) -> EngineConfig
 
 
 def build_engine(model_dir: Path, config: EngineConfig, timeline: Timeline | None = None,
-                 model_name: str | None = None):
-    """The engine's CPU phase for a local model directory (a Hugging Face directory or a faas-build layout)."""
+                 model_name: str | None = None, settings: Settings | None = None):
+    """The engine's CPU phase for a local model directory: a faas-build layout streams through the pipelined
+    loader (runtime/weights/loader.py), a plain Hugging Face directory through hf_dir_loader."""
     from runtime.engine import Engine
-    from runtime.weights.hf_dir import hf_dir_loader
+    from runtime.weights.manifest import is_layout
 
-    return Engine.build(model_dir, hf_dir_loader(model_dir), config, timeline, model_name)
+    if not is_layout(Path(model_dir)):
+        from runtime.weights.hf_dir import hf_dir_loader
+
+        return Engine.build(model_dir, hf_dir_loader(Path(model_dir)), config, timeline, model_name)
+    settings = settings or Settings.from_env()
+    return Engine.build(model_dir, *_layout_loader(Path(model_dir), config, timeline, settings), model_name)
+
+
+def _layout_loader(layout_dir: Path, config: EngineConfig, timeline: Timeline | None, settings: Settings):
+    import dataclasses
+
+    from runtime.weights.loader import layout_loader
+    from runtime.weights.manifest import Manifest
+    from runtime.weights.resolve import disk_cache
+    from runtime.weights.sources import ORIGIN
+
+    if settings.dtype == "auto":  # a layout holds one dtype: auto means that one
+        config = dataclasses.replace(config, dtype=Manifest.read(layout_dir).dtype)
+    cache = disk_cache(settings.cache_dir, settings.cache_max_gb) if (layout_dir / ORIGIN).is_file() else None
+    timeline = timeline or Timeline()
+    return layout_loader(layout_dir, timeline=timeline, cache=cache), config, timeline

@@ -7,6 +7,11 @@ import json
 from pathlib import Path
 
 SHAPES = {
+    # a few MiB: the weight benchmark's CPU check (scripts/bench_weights.py --device cpu --shapes tiny)
+    "tiny": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=4096, hidden_size=256,
+                 intermediate_size=688, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                 max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-5,
+                 tie_word_embeddings=False, bos_token_id=1, eos_token_id=2),
     "smollm2-135m": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=49152, hidden_size=576,
                          intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                          max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,

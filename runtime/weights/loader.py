@@ -1,0 +1,275 @@
+"""The pipelined loader of a faas-build layout: an engine `LoadWeights` that returns at once.
+
+Reader threads take the layout's hashed chunks in buffer order. Each reads its chunk in `read_bytes` pieces
+(preadv from disk, or ranged GETs from S3) into its own ring of pinned host buffers, hashes every piece as it
+lands (blake3 and hashlib release the GIL on large buffers, so hashing scales with the readers), and enqueues the
+copy to the GPU on its own side stream; a slot is reused only once its copy's event has completed. On CPU the
+pieces are read straight into the weight buffer (no pinned memory, no stream, no copy). A chunk whose
+hash differs fails the load with an error naming the file: the model is never used half-wrong.
+
+`wait_tensor(name)` returns as soon as that tensor's chunks are in place, so a caller may use the first
+layers while the last ones stream; `wait()` is the end of the whole load.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from runtime import timeline as stages
+from runtime.engine.weight_plan import WeightPlan
+from runtime.logs import get_logger
+from runtime.timeline import Timeline
+from runtime.weights.cache import DiskCache
+from runtime.weights.errors import WeightsError
+from runtime.weights.manifest import FileEntry, Manifest, chunk_hasher
+from runtime.weights.s3 import S3Store
+
+log = get_logger("weights.loader")
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class LoaderOptions:
+    threads: int = 0  # 0: one per core, at most 16
+    read_bytes: int = 16 * MiB  # one preadv / ranged GET; one pinned slot
+    slots_per_thread: int = 2  # read the next piece while the last one is copied
+    verify: bool = True  # hash every chunk; off only to measure what it costs (scripts/bench_weights.py)
+
+    def reader_threads(self, n_chunks: int) -> int:
+        auto = min(16, os.cpu_count() or 4)
+        return max(1, min(self.threads or auto, n_chunks))
+
+
+@dataclass(frozen=True)
+class Chunk:
+    file: int  # index into the manifest's files
+    index: int  # within the file
+    offset: int  # within the file
+    length: int
+    buffer_offset: int
+    digest: str
+
+
+@dataclass
+class TierStats:
+    bytes: int = 0
+    start: float = float("inf")
+    end: float = 0.0
+
+    def add(self, n: int, start: float, end: float) -> None:
+        self.bytes += n
+        self.start, self.end = min(self.start, start), max(self.end, end)
+
+    def as_detail(self) -> dict:
+        seconds = max(self.end - self.start, 1e-9)
+        return {"bytes": self.bytes, "seconds": round(seconds, 4), "gib_s": round(self.bytes / seconds / 2**30, 3)}
+
+
+def layout_chunks(manifest: Manifest) -> list[Chunk]:
+    return [Chunk(i, j, off, n, f.buffer_offset + off, f.digests[j])
+            for i, f in enumerate(manifest.files) for j, (off, n) in enumerate(f.chunks())]
+
+
+def check_plan(manifest: Manifest, plan: WeightPlan, where: str) -> None:
+    if manifest.dtype != plan.dtype:
+        raise WeightsError(f"{where}: the layout holds {manifest.dtype} weights, the engine wants {plan.dtype} "
+                           f"(set DTYPE={manifest.dtype} or rebuild the layout with --dtype {plan.dtype})")
+    if manifest.plan != plan:
+        raise WeightsError(f"{where}: the layout was built for another weight plan (model or runtime version)")
+
+
+class WeightStream:
+    """One load in flight: the object `LoadWeights` returns."""
+
+    def __init__(self, manifest: Manifest, sources: list, buffer: torch.Tensor, options: LoaderOptions,
+                 where: str, timeline: Timeline | None = None) -> None:
+        self.manifest = manifest
+        self.sources = sources
+        self.buffer = buffer
+        self.options = options
+        self.where = where
+        self.timeline = timeline
+        self.chunks = layout_chunks(manifest)
+        self._starts = [c.buffer_offset for c in self.chunks]
+        self._landed = [threading.Event() for _ in self.chunks]
+        self._copied: list[list] = [[] for _ in self.chunks]
+        self._todo: queue.SimpleQueue = queue.SimpleQueue()
+        for i in range(len(self.chunks)):
+            self._todo.put(i)
+        self._error: BaseException | None = None
+        self._stats: dict[str, TierStats] = {}
+        self._lock = threading.Lock()
+        self._local = threading.local()
+        self._cuda = buffer.device.type == "cuda"
+        self._ready_to_write = None
+        if self._cuda:  # whatever the caller queued on the buffer comes before the copies
+            self._ready_to_write = torch.cuda.Event()
+            self._ready_to_write.record(torch.cuda.current_stream(buffer.device))
+        self._host = None if self._cuda else memoryview(buffer.numpy())
+        self._threads = [threading.Thread(target=self._reader, name=f"weights-reader-{i}", daemon=True)
+                         for i in range(options.reader_threads(len(self.chunks)))]
+        self._finished = False
+        self.started = time.time()
+        for t in self._threads:
+            t.start()
+
+    # -- the caller's side -------------------------------------------------------------------------
+
+    def wait_tensor(self, name: str) -> None:
+        """Block until the planned tensor `name` is in the weight buffer (and, on the GPU, make the current
+        stream wait for its copies)."""
+        t = self.manifest.plan.by_name()[name]
+        first = bisect.bisect_right(self._starts, t.offset) - 1
+        last = bisect.bisect_left(self._starts, t.offset + t.nbytes)
+        for i in range(first, last):
+            while not self._landed[i].wait(0.05):
+                self._raise_if_failed()
+            self._raise_if_failed()
+            for event in self._copied[i]:
+                torch.cuda.current_stream(self.buffer.device).wait_event(event)
+
+    def wait(self) -> "WeightStream":
+        for t in self._threads:
+            t.join()
+        if self._finished:
+            self._raise_if_failed()
+            return self
+        self._finished = True
+        for source in self.sources:  # cache files are renamed into place only if every chunk was verified
+            source.close(self._error is None)
+        self._raise_if_failed()
+        for copies in self._copied:
+            for event in copies:
+                event.synchronize()
+        self._report()
+        return self
+
+    def tier_stats(self) -> dict[str, dict]:
+        return {tier: s.as_detail() for tier, s in self._stats.items()}
+
+    # -- the readers -------------------------------------------------------------------------------
+
+    def _reader(self) -> None:
+        try:
+            slots = self._pinned_slots()
+            turn = 0
+            while self._error is None:
+                try:
+                    i = self._todo.get_nowait()
+                except queue.Empty:
+                    return
+                turn = self._load_chunk(i, slots, turn)
+        except BaseException as exc:  # noqa: BLE001 - handed to wait()
+            with self._lock:
+                self._error = self._error or exc
+
+    def _pinned_slots(self) -> list[tuple[torch.Tensor, memoryview, list]]:
+        """This reader's ring of pinned buffers, and its own copy stream (one stream shared by every reader
+        would make each reader wait behind the others' copies before reusing a slot)."""
+        if not self._cuda:
+            return []
+        torch.cuda.set_device(self.buffer.device)
+        self._local.stream = torch.cuda.Stream(self.buffer.device)
+        self._local.stream.wait_event(self._ready_to_write)
+        size = min(self.options.read_bytes, max(c.length for c in self.chunks))
+        host = torch.empty(size * self.options.slots_per_thread, dtype=torch.uint8, pin_memory=True)
+        view = memoryview(host.numpy())
+        return [(host[k * size:(k + 1) * size], view[k * size:(k + 1) * size], [None])
+                for k in range(self.options.slots_per_thread)]
+
+    def _load_chunk(self, i: int, slots: list, turn: int) -> int:
+        chunk = self.chunks[i]
+        source = self.sources[chunk.file]
+        digest = chunk_hasher(self.manifest.hash) if self.options.verify else None
+        start = time.time()
+        for off in range(0, chunk.length, self.options.read_bytes):
+            n = min(self.options.read_bytes, chunk.length - off)
+            dst = chunk.buffer_offset + off
+            if not self._cuda:
+                piece = self._host[dst:dst + n]
+                source.read_into(chunk.offset + off, piece)
+                digest and digest.update(piece)
+                continue
+            host, view, pending = slots[turn % len(slots)]
+            turn += 1
+            if pending[0] is not None:
+                pending[0].synchronize()  # the slot's previous copy has left it
+            source.read_into(chunk.offset + off, view[:n])
+            digest and digest.update(view[:n])
+            stream = self._local.stream
+            with torch.cuda.stream(stream):
+                self.buffer[dst:dst + n].copy_(host[:n], non_blocking=True)
+                pending[0] = torch.cuda.Event()
+                pending[0].record(stream)
+            self._copied[i].append(pending[0])
+        if digest is not None and digest.hexdigest() != chunk.digest:
+            entry: FileEntry = self.manifest.files[chunk.file]
+            raise WeightsError(f"{self.where}: {entry.name} chunk {chunk.index} (bytes {chunk.offset}-"
+                               f"{chunk.offset + chunk.length}) fails its {self.manifest.hash} check: the layout is "
+                               "corrupt or was changed after it was built")
+        source.chunk_verified(chunk.index)
+        with self._lock:
+            self._stats.setdefault(source.tier, TierStats()).add(chunk.length, start, time.time())
+        self._landed[i].set()
+        return turn
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            if isinstance(self._error, WeightsError):
+                raise WeightsError(str(self._error))
+            raise WeightsError(f"{self.where}: {type(self._error).__name__}: {self._error}") from self._error
+
+    def _report(self) -> None:
+        tiers = self.tier_stats()
+        seconds = time.time() - self.started
+        total = self.manifest.total_bytes
+        log.info("weights: %.2f GiB in %.3fs (%.2f GiB/s) %s", total / 2**30, seconds,
+                 total / max(seconds, 1e-9) / 2**30,
+                 " ".join(f"{k}={v['gib_s']}GiB/s" for k, v in tiers.items()))
+        stage = self.timeline.get(stages.WEIGHTS) if self.timeline else None
+        if stage is not None:
+            stage.detail["tiers"] = tiers
+
+
+def stream_layout(manifest: Manifest, sources: list, plan: WeightPlan, buffer: torch.Tensor,
+                  options: LoaderOptions, where: str, timeline: Timeline | None = None) -> WeightStream:
+    check_plan(manifest, plan, where)
+    if buffer.numel() < manifest.total_bytes:
+        raise WeightsError(f"{where}: weight buffer of {buffer.numel()} bytes, the layout has {manifest.total_bytes}")
+    return WeightStream(manifest, sources, buffer, options, where, timeline)
+
+
+def layout_loader(layout_dir: Path, options: LoaderOptions | None = None, timeline: Timeline | None = None,
+                  cache: DiskCache | None = None, store: S3Store | None = None):
+    """A LoadWeights for a faas-build layout directory. Weight files missing from it are streamed from the
+    layout's origin (origin.json: the s3:// prefix it was cached from), filling `cache` on the way."""
+    from runtime.weights.sources import open_sources
+
+    layout_dir = Path(layout_dir)
+    options = options or LoaderOptions()
+
+    def load(plan: WeightPlan, buffer: torch.Tensor) -> WeightStream:
+        manifest = Manifest.read(layout_dir)
+        s3 = store or S3Store()  # boto3 is imported only if a file is streamed from S3
+        sources = open_sources(layout_dir, manifest, cache, s3)
+        streaming = options
+        if any(source.tier == "s3" for source in sources):  # S3 settings: GETs in flight and their size
+            streaming = dataclasses.replace(options, threads=s3.options.concurrency, read_bytes=s3.options.part_bytes)
+        try:
+            return stream_layout(manifest, sources, plan, buffer, streaming, str(layout_dir), timeline)
+        except BaseException:
+            for source in sources:
+                source.close(False)
+            raise
+
+    return load

@@ -1,0 +1,258 @@
+"""Weight loading bandwidth: this loader beside the usual ways and beside the machine's limits, in one run.
+
+For each shape (a random-weight model of a real shape, scripts/model_shapes.py), GiB/s of:
+  limit_read      the layout files read in parallel (16 threads, 64 MiB preadv) and thrown away
+  limit_h2d       pinned host memory -> GPU, 256 MiB copies (GPU only)
+  loader          runtime/weights/loader.py into the engine's flat buffer (BLAKE3 verified on the way)
+  loader_nohash   the same without verification: what hashing costs (page cache only)
+  loader_sha256   the same from a layout built with --hash sha256 (built, measured, deleted)
+  safetensors     safetensors load_file, then .to(device), tensor by tensor
+  transformers    AutoModelForCausalLM.from_pretrained(dtype=bfloat16) then .to(device) (page cache only)
+  loader_s3       the loader from a moto S3 server on loopback (--s3-shapes), then again from the disk cache
+each from the page cache (warm) and, as root, from cold disk (echo 3 > /proc/sys/vm/drop_caches first).
+Prints a table and writes JSON to --out.
+
+    python scripts/bench_weights.py --shapes qwen2-1.5b llama-3-8b --out /tmp/bench-weights.json
+    python scripts/bench_weights.py --device cpu --shapes tiny --out /tmp/w.json   # a check without a GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import shutil
+import statistics
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from runtime.weights.layout import write_layout  # noqa: E402
+from runtime.weights.loader import LoaderOptions, layout_loader  # noqa: E402
+from runtime.weights.manifest import Manifest  # noqa: E402
+
+GiB, MiB = 1 << 30, 1 << 20
+
+
+def drop_caches() -> bool:
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, nbytes: int, device: str) -> float:
+    """GiB/s of one call of fn."""
+    sync(device)
+    t = time.perf_counter()
+    fn()
+    sync(device)
+    return nbytes / (time.perf_counter() - t) / GiB
+
+
+_READERS = ThreadPoolExecutor(16)  # kept across calls, and so are their buffers: no page faults measured
+_BUFFERS = threading.local()
+
+
+def read_files(paths: list[Path], chunk: int = 64 * MiB) -> None:
+    """The read limit: 16 threads, preadv of 64 MiB into reused buffers, data thrown away."""
+    fds = {p: os.open(p, os.O_RDONLY) for p in paths}
+
+    def read(job):
+        path, off = job
+        if not hasattr(_BUFFERS, "buf"):
+            _BUFFERS.buf = bytearray(chunk)
+        os.preadv(fds[path], [_BUFFERS.buf], off)
+
+    try:
+        list(_READERS.map(read, [(p, off) for p in paths for off in range(0, p.stat().st_size, chunk)]))
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def h2d_limit(device: str) -> float | None:
+    if device != "cuda":
+        return None
+    host = torch.empty(256 * MiB, dtype=torch.uint8, pin_memory=True)
+    dev = torch.empty(256 * MiB, dtype=torch.uint8, device="cuda")
+    dev.copy_(host)
+    return timed(lambda: [dev.copy_(host, non_blocking=True) for _ in range(32)], 32 * 256 * MiB, device)
+
+
+def load_layout(layout: Path, device: str, options: LoaderOptions, cache=None) -> None:
+    manifest = Manifest.read(layout)
+    buffer = torch.empty(manifest.total_bytes, dtype=torch.uint8, device=device)
+    layout_loader(layout, options, cache=cache)(manifest.plan, buffer).wait()
+
+
+def load_safetensors(model_dir: Path, device: str) -> None:
+    from safetensors.torch import load_file
+
+    for path in sorted(model_dir.glob("*.safetensors")):
+        tensors = {k: v.to(device) for k, v in load_file(path).items()}
+        del tensors
+
+
+def load_transformers(model_dir: Path, device: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(device)
+    del model
+
+
+def warm_and_cold(name: str, fn, files: list[Path], nbytes: int, device: str, repeat: int, cold: bool) -> dict:
+    read_files(files)  # into the page cache
+    fn()  # and one unmeasured run (allocator, pinned pool, imports)
+    warm = [timed(fn, nbytes, device) for _ in range(repeat)]
+    row = {"warm_gib_s": round(statistics.median(warm), 2), "warm_runs": [round(x, 2) for x in warm]}
+    if cold and drop_caches():
+        row["cold_gib_s"] = round(timed(fn, nbytes, device), 2)
+    print(f"  {name:<14} {row}", flush=True)
+    return row
+
+
+def bench_s3(layout: Path, device: str, options: LoaderOptions, work: Path) -> dict:
+    from moto.server import ThreadedMotoServer
+
+    from runtime.weights.layout import upload_layout
+    from runtime.weights.resolve import disk_cache, resolve_model
+    from runtime.weights.s3 import S3Store
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    os.environ.update(AWS_ENDPOINT_URL=f"http://{host}:{port}", AWS_ACCESS_KEY_ID="bench",
+                      AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1")
+    try:
+        store = S3Store()
+        store.client.create_bucket(Bucket="bench")
+        manifest = Manifest.read(layout)
+        upload_layout(layout, "s3://bench/layout", manifest, store, progress=False)
+        cache = disk_cache(work / "s3-cache", 1000.0)
+        shutil.rmtree(cache.root, ignore_errors=True)
+        entry = resolve_model("s3://bench/layout", cache.root.parent, 1000.0, store)
+        row = {"s3_gib_s": round(timed(lambda: load_layout(entry, device, options, cache), manifest.total_bytes,
+                                       device), 2)}
+        row["disk_cache_gib_s"] = round(timed(lambda: load_layout(entry, device, options, cache),
+                                              manifest.total_bytes, device), 2)
+    finally:
+        server.stop()
+    print(f"  {'loader_s3':<14} {row}", flush=True)
+    return row
+
+
+def bench_shape(shape: str, args, work: Path) -> dict:
+    from scripts.model_shapes import make_random_model_dir
+
+    device = args.device
+    model_dir = make_random_model_dir(work / shape, shape)
+    layout = work / f"{shape}-layout"
+    if not (layout / "manifest.json").exists():
+        t = time.perf_counter()
+        write_layout(str(model_dir), str(layout), dtype="bfloat16", progress=False)
+        print(f"{shape}: layout built in {time.perf_counter() - t:.1f}s", flush=True)
+    manifest = Manifest.read(layout)
+    nbytes = manifest.total_bytes
+    files = [layout / f.name for f in manifest.files]
+    st_files = sorted(model_dir.glob("*.safetensors"))
+    st_bytes = sum(p.stat().st_size for p in st_files)
+    options = LoaderOptions(threads=args.threads, read_bytes=args.read_mb * MiB)
+    print(f"{shape}: {nbytes / GiB:.2f} GiB in {len(files)} files", flush=True)
+    cold = not args.no_cold
+    result = {"shape": shape, "bytes": nbytes, "files": len(files),
+              "limit_read": warm_and_cold("limit_read", lambda: read_files(files), files, nbytes, device,
+                                          args.repeat, cold),
+              "limit_h2d_gib_s": h2d_limit(device)}
+    if result["limit_h2d_gib_s"] is not None:
+        result["limit_h2d_gib_s"] = round(result["limit_h2d_gib_s"], 2)
+        print(f"  {'limit_h2d':<14} {result['limit_h2d_gib_s']}", flush=True)
+    result["loader"] = warm_and_cold("loader", lambda: load_layout(layout, device, options), files, nbytes, device,
+                                     args.repeat, cold)
+    unverified = LoaderOptions(threads=args.threads, read_bytes=args.read_mb * MiB, verify=False)
+    result["loader_nohash"] = warm_and_cold("loader_nohash", lambda: load_layout(layout, device, unverified), files,
+                                            nbytes, device, args.repeat, False)
+    result["safetensors"] = warm_and_cold("safetensors", lambda: load_safetensors(model_dir, device), st_files,
+                                          st_bytes, device, args.repeat, cold)
+    if not args.no_transformers:
+        result["transformers"] = warm_and_cold("transformers", lambda: load_transformers(model_dir, device),
+                                               st_files, st_bytes, device, 1, False)
+    if shape in args.s3_shapes:
+        result["loader_s3"] = bench_s3(layout, device, options, work)
+    if args.compare_sha256:
+        sha_layout = work / f"{shape}-layout-sha256"
+        shutil.rmtree(sha_layout, ignore_errors=True)
+        write_layout(str(model_dir), str(sha_layout), dtype="bfloat16", hash="sha256", progress=False)
+        sha_files = [sha_layout / f.name for f in manifest.files]
+        result["loader_sha256"] = warm_and_cold("loader_sha256", lambda: load_layout(sha_layout, device, options),
+                                                sha_files, nbytes, device, args.repeat, cold)
+        shutil.rmtree(sha_layout)
+    if args.cleanup:
+        for path in (model_dir, layout, work / "s3-cache"):
+            shutil.rmtree(path, ignore_errors=True)
+    return result
+
+
+def table(results: list[dict]) -> str:
+    rows = [f"{'shape':<12} {'GiB':>6} | {'read lim':>14} {'h2d lim':>7} | {'loader':>14} {'safetensors':>14} "
+            f"{'transformers':>12} | {'s3':>6} {'s3->cache':>9} | {'loader/limit':>12}"]
+
+    def wc(row: dict | None) -> str:
+        if not row:
+            return "-"
+        return f"{row['warm_gib_s']}/{row.get('cold_gib_s', '-')}"
+
+    for r in results:
+        limit = min(x for x in (r["limit_read"]["warm_gib_s"], r["limit_h2d_gib_s"]) if x)
+        s3 = r.get("loader_s3", {})
+        rows.append(f"{r['shape']:<12} {r['bytes'] / GiB:6.2f} | {wc(r['limit_read']):>14} "
+                    f"{r['limit_h2d_gib_s'] or '-':>7} | {wc(r['loader']):>14} {wc(r['safetensors']):>14} "
+                    f"{wc(r.get('transformers')):>12} | {s3.get('s3_gib_s', '-'):>6} "
+                    f"{s3.get('disk_cache_gib_s', '-'):>9} | {r['loader']['warm_gib_s'] / limit:12.0%}")
+    return "\n".join(rows) + "\n(GiB/s, warm page cache / cold disk; loader/limit is warm, against min(read, h2d))"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", nargs="+", default=["qwen2-1.5b", "llama-3-8b"])
+    p.add_argument("--s3-shapes", nargs="*", default=["qwen2-1.5b", "tiny"], help="shapes also loaded from moto")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--work", type=Path, default=Path("/tmp/bench-weights"))
+    p.add_argument("--threads", type=int, default=0, help="loader reader threads (0: one per core, at most 16)")
+    p.add_argument("--read-mb", type=int, default=16, help="loader read size (one pinned slot)")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--no-cold", action="store_true")
+    p.add_argument("--no-transformers", action="store_true")
+    p.add_argument("--compare-sha256", action="store_true", help="also time a layout hashed with sha256")
+    p.add_argument("--cleanup", action="store_true", help="delete each shape's files once it is measured")
+    p.add_argument("--out", type=Path, default=Path("bench-weights.json"))
+    args = p.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    machine = {"device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu",
+               "cpus": os.cpu_count(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC",
+                                                                                         time.gmtime())}
+    results = []
+    for shape in args.shapes:
+        results.append(bench_shape(shape, args, args.work))
+        args.out.write_text(json.dumps({"machine": machine, "command": sys.argv, "results": results}, indent=2))
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""faas-build's weights step and the pipelined loader on local files: the layout's bytes are the engine's
+weight buffer, greedy text is unchanged, corruption is caught, a failed build leaves nothing, the CLI."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from runtime.engine.model_config import ModelConfig
+from runtime.engine.weight_plan import plan_weights
+from runtime.weights.errors import WeightsError
+from runtime.weights.hf_dir import hf_dir_loader
+from runtime.weights.layout import write_layout
+from runtime.weights.loader import LoaderOptions, layout_loader
+from runtime.weights.manifest import Manifest
+from tests.weights_helpers import cpu_settings, greedy, start
+
+SMALL = dict(file_bytes=200_000, chunk_bytes=48 * 1024, progress=False)  # several files, many chunks
+
+
+@pytest.fixture(scope="module")
+def local_layout(tiny_model, tmp_path_factory):
+    out = tmp_path_factory.mktemp("layouts") / "tiny-llama-f32"
+    write_layout(tiny_model("tiny-llama"), str(out), dtype="float32", **SMALL)
+    return out
+
+
+def test_layout_bytes_are_the_engine_weight_buffer(tiny_model, local_layout):
+    plan = plan_weights(ModelConfig.from_dir(tiny_model("tiny-llama")), "float32")
+    expected = torch.zeros(plan.total_bytes, dtype=torch.uint8)
+    hf_dir_loader(Path(tiny_model("tiny-llama")))(plan, expected).wait()
+    for threads in (1, 3):  # one reader, and readers racing over the chunks
+        got = torch.full((plan.total_bytes,), 7, dtype=torch.uint8)
+        layout_loader(local_layout, LoaderOptions(threads=threads, read_bytes=20_000))(plan, got).wait()
+        assert torch.equal(got, expected)
+    manifest = Manifest.read(local_layout)
+    assert len(manifest.files) >= 2 and sum(len(f.digests) for f in manifest.files) > len(manifest.files)
+    assert b"".join((local_layout / f.name).read_bytes() for f in manifest.files) == expected.numpy().tobytes()
+    by_name = {t.name: t for t in manifest.tensors}
+    t = by_name["model.layers.1.mlp.down_proj.weight"]
+    data = (local_layout / t.file).read_bytes()[t.offset:t.offset + t.length]
+    ref = load_file(Path(tiny_model("tiny-llama")) / "model.safetensors")["model.layers.1.mlp.down_proj.weight"]
+    assert data == ref.float().contiguous().numpy().tobytes()
+
+
+def test_wait_tensor_gives_each_tensor_before_the_whole_load_is_waited_for(tiny_model, local_layout):
+    plan = plan_weights(ModelConfig.from_dir(local_layout), "float32")
+    buffer = torch.zeros(plan.total_bytes, dtype=torch.uint8)
+    load = layout_loader(local_layout, LoaderOptions(threads=2, read_bytes=20_000))(plan, buffer)
+    ref = load_file(Path(tiny_model("tiny-llama")) / "model.safetensors")
+    last = plan.tensors[-1]
+    load.wait_tensor(last.name)
+    got = buffer[last.offset:last.offset + last.nbytes].view(torch.float32).view(last.shape)
+    assert torch.equal(got, ref[last.name].float())
+    load.wait()
+
+
+def test_greedy_text_is_the_same_from_the_hf_dir_and_the_layout(tiny_model, local_layout, tmp_path):
+    settings = cpu_settings(tmp_path)
+    from_hf = greedy(start(tiny_model("tiny-llama"), settings))
+    engine = start(str(local_layout), settings)
+    assert engine.timeline.get("weights").detail["tiers"]["disk"]["bytes"] == Manifest.read(local_layout).total_bytes
+    assert greedy(engine) == from_hf
+
+
+def test_a_layout_for_another_dtype_is_refused_by_name(local_layout, tmp_path):
+    with pytest.raises(WeightsError, match="float32 weights, the engine wants bfloat16"):
+        start(str(local_layout), cpu_settings(tmp_path, DTYPE="bfloat16"))
+
+
+@pytest.mark.parametrize("hash", ["blake3", "sha256"])
+def test_a_corrupted_file_is_an_error_naming_it(hash, tiny_model, tmp_path):
+    broken = tmp_path / "broken"
+    write_layout(tiny_model("tiny-llama"), str(broken), dtype="float32", hash=hash, **SMALL)
+    start(str(broken), cpu_settings(tmp_path)).shutdown()  # loads while intact
+    victim = broken / "weights-00001.bin"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit
+    victim.write_bytes(bytes(data))
+    with pytest.raises(WeightsError, match=rf"weights-00001\.bin chunk \d+ .* fails its {hash} check"):
+        start(str(broken), cpu_settings(tmp_path))
+    victim.write_bytes(bytes(data[:1000]))
+    with pytest.raises(WeightsError, match=r"weights-00001\.bin: truncated"):
+        start(str(broken), cpu_settings(tmp_path))
+
+
+def test_a_failed_build_leaves_nothing(tiny_model, tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    for p in Path(tiny_model("tiny-llama")).iterdir():
+        (src / p.name).write_bytes(p.read_bytes())
+    weights = load_file(src / "model.safetensors")
+    del weights["model.layers.1.mlp.up_proj.weight"]  # fails after the first file was written
+    save_file(weights, src / "model.safetensors")
+    out = tmp_path / "out" / "layout"
+    with pytest.raises(WeightsError, match="model.layers.1.mlp.up_proj.weight is missing"):
+        write_layout(str(src), str(out), dtype="float32", **SMALL)
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_content_hash_names_the_source_not_the_dtype(tiny_model, local_layout, tmp_path):
+    bf16 = write_layout(tiny_model("tiny-llama"), str(tmp_path / "bf16"), dtype="bfloat16", progress=False)
+    other = write_layout(tiny_model("tiny-qwen2"), str(tmp_path / "q"), dtype="float32", progress=False)
+    assert bf16.content_hash == Manifest.read(local_layout).content_hash != other.content_hash
+    assert bf16.total_bytes * 2 == pytest.approx(Manifest.read(local_layout).total_bytes, rel=0.05)
+
+
+def faas_build(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "snapshots.build", *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, cwd=Path(__file__).parent.parent, timeout=120)
+
+
+def test_faas_build_cli_writes_a_layout_and_refuses_bad_input_in_one_line(tiny_model, tmp_path):
+    out = tmp_path / "layout"
+    done = faas_build("--model", tiny_model("tiny-qwen2"), "--out", str(out), "--dtype", "float32", "--quiet")
+    assert done.returncode == 0, done.stderr
+    assert Manifest.read(out).dtype == "float32"
+    for args, reason in [
+        (["--model", str(tmp_path / "nope"), "--out", str(tmp_path / "x")], "is not a Hugging Face model dir"),
+        (["--model", tiny_model("tiny-qwen2"), "--out", str(out)], "already exists"),
+        (["--model", str(out), "--out", str(tmp_path / "y")], "already a faas-build layout"),
+        (["--out", str(tmp_path / "z")], "the following arguments are required: --model"),
+        (["--model", tiny_model("tiny-qwen2"), "--out", str(tmp_path / "w"), "--dtype", "int4"], "invalid choice"),
+    ]:
+        done = faas_build(*args)
+        assert done.returncode == 2
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("faas-build: ") and reason in lines[0], done.stderr
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_a_gguf_file_builds_the_same_bytes_as_its_imported_directory(tmp_path):
+    from runtime.weights.embedded import embedded_gguf_path
+    from runtime.weights.gguf_import import imported_model_dir
+
+    gguf = embedded_gguf_path()
+    manifest = write_layout(str(gguf), str(tmp_path / "layout"), dtype="bfloat16", progress=False)
+    imported = imported_model_dir(gguf, tmp_path / "cache")
+    expected = torch.zeros(manifest.plan.total_bytes, dtype=torch.uint8)
+    hf_dir_loader(imported)(manifest.plan, expected).wait()
+    got = torch.zeros_like(expected)
+    layout_loader(tmp_path / "layout")(manifest.plan, got).wait()
+    assert torch.equal(got, expected)
+    assert (tmp_path / "layout" / "tokenizer.json").read_bytes() == (imported / "tokenizer.json").read_bytes()
+
+
+def test_an_interrupted_build_leaves_nothing_and_a_killed_ones_leftovers_are_cleared(tiny_model, tmp_path):
+    import socket
+    import time
+
+    hang = socket.socket()  # accepts connections into its backlog and never answers: the build hangs in S3
+    hang.bind(("127.0.0.1", 0))
+    hang.listen(8)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{hang.getsockname()[1]}", "AWS_ACCESS_KEY_ID": "x",
+           "AWS_SECRET_ACCESS_KEY": "x", "AWS_DEFAULT_REGION": "us-east-1", "TMPDIR": str(scratch)}
+    proc = subprocess.Popen([sys.executable, "-m", "snapshots.build", "--model", "s3://b/model", "--out",
+                             str(tmp_path / "out")], env={**os.environ, **env}, cwd=Path(__file__).parent.parent,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while not list(scratch.glob("faas-build-*")) and time.time() < deadline:
+        time.sleep(0.05)
+    assert list(scratch.glob("faas-build-*")), "the build never started"
+    proc.terminate()
+    assert proc.wait(timeout=30) == 130
+    assert "faas-build: interrupted" in proc.stderr.read()
+    assert list(scratch.iterdir()) == [] and not (tmp_path / "out").exists()
+    hang.close()
+
+    dead = tmp_path / ".layout.tmp-999999999"  # what a SIGKILLed build of ./layout leaves
+    dead.mkdir()
+    (dead / "weights-00000.bin").write_bytes(b"half")
+    write_layout(tiny_model("tiny-qwen2"), str(tmp_path / "layout"), dtype="float32", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["layout", "tmp"]
