@@ -1,6 +1,10 @@
 """faas-build: what a function image is built with, one step after another.
 
-    faas-build --model SRC --out DST [--dtype bfloat16] [--file-gb 2] [--chunk-mb 64] [--hash blake3] [--quiet]
+    faas-build --model SRC --out DST [--snapshot-dir DIR [--snapshots auto|KIND,...]] [--dtype bfloat16]
+               [--file-gb 2] [--chunk-mb 64] [--hash blake3] [--quiet]
+
+The snapshots are baked for the settings the function will boot with: the same environment variables as
+faas-bootstrap (DEVICE, MAX_MODEL_LEN, MAX_NUM_SEQS, GPU_MEMORY_UTILIZATION, ...), MODEL being --out.
 
 Each step takes the build (arguments and what earlier steps produced) and adds to it; a step that cannot be
 done raises BuildError (or WeightsError) and the command prints one line, `faas-build: <reason>`, exit 2.
@@ -13,10 +17,12 @@ import argparse
 import signal
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Sequence
 
 from runtime.logs import get_logger, setup_logging
 from runtime.weights.errors import WeightsError
+from snapshots.bake import KINDS as SNAPSHOT_KINDS
 
 log = get_logger("build")
 
@@ -24,7 +30,11 @@ MiB, GiB = 1 << 20, 1 << 30
 
 
 class BuildError(Exception):
-    pass
+    """Bad input or a step that cannot be done: one line, exit 2."""
+
+
+class BakeFailed(Exception):
+    """A snapshot that should have been baked was not (the others were): exit 1."""
 
 
 @dataclass
@@ -36,6 +46,8 @@ class Build:
     chunk_bytes: int
     hash: str
     progress: bool
+    snapshot_dir: Path | None = None  # where the snapshots go; None: no snapshots
+    snapshots: list[str] | None = None  # the kinds asked for by name; None: every kind this machine can bake
     manifest: object | None = None  # runtime.weights.manifest.Manifest, once the weights step has run
 
 
@@ -49,8 +61,29 @@ def build_weights(build: Build) -> None:
              build.manifest.total_bytes / GiB, len(build.manifest.files), build.manifest.content_hash)
 
 
+def build_snapshots(build: Build) -> None:
+    """The restore paths' snapshots (snapshots/bake.py), for a function that boots with MODEL=build.out."""
+    if build.snapshot_dir is None:
+        return
+    from runtime.config import ConfigError, Settings
+    from snapshots.bake import bake_snapshots
+
+    model_dir = Path(build.out).resolve()
+    try:
+        settings = Settings.from_env().replace(model=str(model_dir), snapshot_dir=build.snapshot_dir.resolve())
+    except ConfigError as exc:
+        raise BuildError(str(exc)) from None
+    results = bake_snapshots(settings, model_dir, build.snapshots)
+    print("snapshots:", file=sys.stderr)
+    for r in results:
+        print(f"  {r.kind:<13} {r.status:<8} {r.seconds:7.1f} s  {r.detail}", file=sys.stderr)
+    failed = [r.kind for r in results if r.status == "failed"]
+    if failed:
+        raise BakeFailed(f"snapshots not baked: {', '.join(failed)} (see above); the others are in place")
+
+
 #: run in order; each one sees what the ones before it produced
-STEPS: list[Callable[[Build], None]] = [build_weights]
+STEPS: list[Callable[[Build], None]] = [build_weights, build_snapshots]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -67,10 +100,21 @@ def parse_args(argv: Sequence[str]) -> Build:
     p.add_argument("--chunk-mb", type=float, default=64.0, help="hashed chunk size")
     p.add_argument("--hash", default="blake3", choices=("blake3", "sha256"), help="chunk hash")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.add_argument("--snapshot-dir", type=Path, help="bake the restore paths' snapshots here (SNAPSHOT_DIR at boot)")
+    p.add_argument("--snapshots", default="auto",
+                   help="auto (every kind this machine can bake) or a comma-separated list of "
+                        "materialized, process, gpu (each must then be baked)")
     a = p.parse_args(argv)
     if a.file_gb <= 0 or a.chunk_mb <= 0:
         raise BuildError("--file-gb and --chunk-mb must be positive")
-    return Build(a.model, a.out, a.dtype, int(a.file_gb * GiB), int(a.chunk_mb * MiB), a.hash, not a.quiet)
+    kinds = None if a.snapshots == "auto" else [k.strip() for k in a.snapshots.split(",") if k.strip()]
+    unknown = [k for k in kinds or [] if k not in SNAPSHOT_KINDS]
+    if unknown or kinds == []:
+        raise BuildError(f"--snapshots={a.snapshots!r}: must be auto or some of {', '.join(SNAPSHOT_KINDS)}")
+    if a.snapshot_dir is not None and a.out.startswith("s3://"):
+        raise BuildError("--snapshot-dir needs a local --out: a snapshot restores from the directory it was baked with")
+    return Build(a.model, a.out, a.dtype, int(a.file_gb * GiB), int(a.chunk_mb * MiB), a.hash, not a.quiet,
+                 a.snapshot_dir, kinds)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -85,6 +129,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (BuildError, WeightsError) as exc:
         print(f"faas-build: {exc}", file=sys.stderr)
         return 2
+    except BakeFailed as exc:
+        print(f"faas-build: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("faas-build: interrupted; nothing was left at --out", file=sys.stderr)
         return 130

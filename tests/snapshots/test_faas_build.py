@@ -1,0 +1,58 @@
+"""faas-build end to end on a CPU machine with real CRIU: one command writes the layout and bakes every
+snapshot this machine can bake (process here; materialized and gpu skipped with a reason), and a
+faas-bootstrap pointed at what it wrote restores the process snapshot and serves the layout's model."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from tests.server.conftest import API_KEY, REPO, server_env, start_server
+from tests.snapshots.conftest import ENGINE_ENV
+from tests.snapshots.test_process_snapshot import greedy_text
+
+pytestmark = pytest.mark.criu
+
+
+def faas_build(*args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "snapshots.build", *args], cwd=REPO, env=server_env(**env),
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_faas_build_bakes_what_this_machine_can_and_the_function_boots_from_it(tiny_model_dir, tmp_path):
+    out, snapshots = tmp_path / "baked" / "model", tmp_path / "baked" / "snapshots"
+    r = faas_build("--model", str(tiny_model_dir), "--out", str(out), "--snapshot-dir", str(snapshots),
+                   "--dtype", "float32", "--quiet", **ENGINE_ENV)
+    assert r.returncode == 0, r.stderr
+    summary = r.stderr[r.stderr.index("snapshots:"):]
+    assert "process       baked" in summary
+    assert "materialized  skipped" in summary and "needs a GPU" in summary
+    assert (out / "manifest.json").is_file() and (snapshots / "process" / "manifest.json").is_file()
+    assert not (snapshots / "materialized").exists() and not (snapshots / "gpu").exists()
+
+    cold = start_server(tmp_path, "cold", MODEL=str(tiny_model_dir), API_KEY=API_KEY, **ENGINE_ENV)
+    try:
+        cold.wait_ready()
+        expected = greedy_text(cold)
+    finally:
+        cold.stop()
+    server = start_server(tmp_path, "baked", MODEL=str(out), SNAPSHOT_DIR=str(snapshots), API_KEY=API_KEY,
+                          SERVED_MODEL_NAME="tiny-llama", **ENGINE_ENV)
+    try:
+        server.wait_ready()
+        assert httpx.get(f"{server.url}/health", timeout=5).json()["restore_path"] == "process"
+        assert greedy_text(server) == expected
+    finally:
+        assert server.stop() == 0
+
+
+def test_a_snapshot_kind_asked_for_by_name_that_cannot_be_baked_fails_the_build(tiny_model_dir, tmp_path):
+    r = faas_build("--model", str(tiny_model_dir), "--out", str(tmp_path / "model"), "--snapshot-dir",
+                   str(tmp_path / "snapshots"), "--snapshots", "gpu", "--quiet", **ENGINE_ENV)
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines()[-1] == "faas-build: snapshots not baked: gpu (see above); the others are in place"
+    assert "needs a GPU" in r.stderr
+    assert not (tmp_path / "snapshots" / "gpu").exists()
