@@ -115,6 +115,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="warm: files read once before the runs; dropped: drop_caches before each (root)")
     cold.add_argument("--prompt-tokens", type=_positive(int), default=161, help="prompt length (161, ShareGPT's mean)")
     cold.add_argument("--max-tokens", type=_positive(int), default=4, help="tokens generated per request (4)")
+    cold.add_argument("--baseline-model", type=Path,
+                      help="the Hugging Face directory the transformers baseline loads (default: --model; "
+                           "give the source when --model is a faas-build layout)")
 
     trace = sub.add_parser("trace", parents=[common], help="Poisson arrivals against a scaled pool of instances",
                            description="Replay Poisson arrivals with ShareGPT-like lengths against instances "

@@ -35,13 +35,14 @@ class ColdStartPlan:
     prompt_tokens: int = 161
     max_tokens: int = 4
     timeout_s: float = 900.0
+    baseline_model: str | None = None  # what transformers loads (None: model)
 
 
 async def run_coldstart(plan: ColdStartPlan) -> list[ModeResult]:
     results = {mode: ModeResult(mode) for mode in plan.modes}
     prompt = PromptMaker(plan.model).prompt(plan.prompt_tokens)
     if BASELINE_MODE in results:
-        reason = unavailable_reason(plan.model) or (
+        reason = unavailable_reason(plan.baseline_model or plan.model) or (
             None if isinstance(prompt, list) else "the model directory has no tokenizer.json")
         if reason:
             results[BASELINE_MODE] = ModeResult(BASELINE_MODE, "skipped", reason)
@@ -57,7 +58,8 @@ async def run_coldstart(plan: ColdStartPlan) -> list[ModeResult]:
                 log_path = plan.log_dir / f"{mode}-{rep + 1}.log"
                 try:
                     if mode == BASELINE_MODE:
-                        run = await run_baseline(plan.model, plan.settings.get("DEVICE", "auto"),
+                        run = await run_baseline(plan.baseline_model or plan.model,
+                                                 plan.settings.get("DEVICE", "auto"),
                                                  plan.settings.get("DTYPE", "auto"), prompt, page_cache,
                                                  log_path, plan.timeout_s)
                     else:

@@ -13,7 +13,8 @@ from runtime.bench.report import provenance, coldstart_json, coldstart_table, wr
 async def run_coldstart_command(args: argparse.Namespace, settings: dict[str, str]) -> int:
     plan = ColdStartPlan(model=args.model, modes=args.modes, repeat=args.repeat, page_cache=args.page_cache,
                          settings=settings, log_dir=args.out / "logs", prompt_tokens=args.prompt_tokens,
-                         max_tokens=args.max_tokens, timeout_s=args.timeout)
+                         max_tokens=args.max_tokens, timeout_s=args.timeout,
+                         baseline_model=str(args.baseline_model) if args.baseline_model else None)
     results = await run_coldstart(plan)
     context = {"command": "coldstart", "argv": args.argv, "machine": describe_machine(),
                "model": args.model or "(embedded)", "settings": settings, "page_cache": args.page_cache,

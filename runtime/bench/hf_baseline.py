@@ -21,8 +21,11 @@ def unavailable_reason(model: str | None) -> str | None:
     """Why the baseline cannot run here, or None."""
     if importlib.util.find_spec("transformers") is None:
         return "transformers is not installed"
-    if model is None or not (Path(model).expanduser() / "config.json").is_file():
+    directory = Path(model).expanduser() if model else None
+    if directory is None or not (directory / "config.json").is_file():
         return "the model is not a Hugging Face directory (transformers cannot load it)"
+    if (directory / "manifest.json").is_file():
+        return "the model is a faas-build layout: name its source with --baseline-model"
     return None
 
 
