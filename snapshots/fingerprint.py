@@ -92,10 +92,17 @@ def torch_cuda_version() -> str:
     return match.group(1).strip() if match else "unknown"
 
 
+def resolved_device(settings: Settings) -> str:
+    """DEVICE with auto decided as runtime.launch.resolve_device decides, without importing torch or
+    touching the driver (a process about to be checkpointed must not)."""
+    if settings.device != "auto":
+        return settings.device
+    return "cuda" if gpu_identity()[0] != "none" else "cpu"
+
+
 def engine_settings(settings: Settings) -> str:
     values = {name: getattr(settings, name) for name in ENGINE_SETTINGS}
-    if values["device"] == "auto":  # as runtime.launch.resolve_device decides, without importing torch
-        values["device"] = "cuda" if gpu_identity()[0] != "none" else "cpu"
+    values["device"] = resolved_device(settings)
     return json.dumps(values, sort_keys=True)
 
 

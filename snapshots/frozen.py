@@ -34,7 +34,7 @@ def build(kind: str, model_dir: Path, settings: Settings):
     from runtime.launch import build_engine, engine_config
 
     # the served name is the bootstrap's to give (after restore, from SERVED_NAME/MODEL as they are then)
-    engine = build_engine(model_dir, engine_config(settings))
+    engine = build_engine(model_dir, engine_config(settings, settings.device))  # DEVICE resolved by the bake
     if kind == "gpu":
         engine.start()
     return engine

@@ -31,10 +31,10 @@ def gpu_hooks() -> CriuHooks:
 
 
 def bake_gpu_snapshot(settings: Settings, model_dir: Path, snapshot_dir: Path,
-                      pid_namespace: bool = True) -> SnapshotImage:
+                      pid_namespace: bool | None = None) -> SnapshotImage:
     """Bake `<snapshot_dir>/gpu/` on a GPU of the type the function will run on. SETTINGS are the
     function's as it will boot (MODEL as at boot); MODEL_DIR is what the engine loads from. PID_NAMESPACE:
-    as for `bake_process_snapshot` (False if the CUDA checkpoint API does not take a pid namespace's init)."""
+    as for `bake_process_snapshot` (the default is False here: CUDA does not initialise in a new pid namespace)."""
     try:
         hooks = gpu_hooks()
     except SkipPath as why:

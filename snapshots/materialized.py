@@ -68,6 +68,7 @@ def bake_materialized(model_dir: Path, config: EngineConfig, snapshot_dir: Path,
         return BakeReport(blocks, 0, capture_s, False, materialized.problems)
     expected = probe_graphs(runner)
     final = snapshot_dir / DIRNAME
+    snapshot_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{DIRNAME}-", dir=snapshot_dir))
     try:
         materialized.graph_set.save(tmp, materialized.params)

@@ -21,7 +21,7 @@ from runtime.timeline import process_start_time
 from snapshots import checkpoint, handoff
 from snapshots.checkpoint import SnapshotError
 from snapshots.criu import Criu, find_criu, restore_blockers
-from snapshots.fingerprint import current_fingerprint
+from snapshots.fingerprint import current_fingerprint, resolved_device
 from snapshots.image import SnapshotImage, list_image_files
 
 log = get_logger("snapshots.process")
@@ -40,16 +40,22 @@ class CriuHooks:
 
 
 def bake_process_snapshot(settings: Settings, model_dir: Path, snapshot_dir: Path,
-                          pid_namespace: bool = True) -> SnapshotImage:
+                          pid_namespace: bool | None = None) -> SnapshotImage:
     """Bake `<snapshot_dir>/process/`. SETTINGS are the function's as it will boot (MODEL as at boot: the
     fingerprint hashes it); MODEL_DIR is the local model directory or layout the engine is built from.
-    PID_NAMESPACE False restores with the baked pids instead (no CAP_SYS_ADMIN needed; a restore whose
-    pids are taken fails and falls back)."""
+    PID_NAMESPACE True freezes the runtime as the init of its own pid namespace (no pid clash at restore;
+    needs CAP_SYS_ADMIN); False restores with the baked pids (a restore whose pids are taken fails and falls
+    back); None (default): True on CPU, False where the runtime will use the GPU (see bake_snapshot)."""
     return bake_snapshot("process", settings, model_dir, snapshot_dir, CriuHooks(), pid_namespace)
 
 
 def bake_snapshot(kind: str, settings: Settings, model_dir: Path, snapshot_dir: Path, hooks: CriuHooks,
-                  pid_namespace: bool = True) -> SnapshotImage:
+                  pid_namespace: bool | None = None) -> SnapshotImage:
+    device = resolved_device(settings)
+    if pid_namespace is None:
+        # CUDA does not initialise inside a new pid namespace (cudaGetDeviceCount: error 304, seen on the
+        # H100 machine), so a runtime that will use the GPU is frozen and restored with its own pids.
+        pid_namespace = device != "cuda"
     criu = find_criu()
     blockers = restore_blockers(criu, pid_namespace)
     if blockers:
@@ -60,8 +66,10 @@ def bake_snapshot(kind: str, settings: Settings, model_dir: Path, snapshot_dir: 
     try:
         started = time.time()
         log.info("%s snapshot: starting the runtime to freeze (%s)", kind, model_dir)
-        frozen = checkpoint.freeze_runtime(kind, model_dir, checkpoint.settings_environ(settings), tmp,
-                                           pid_namespace)
+        # DEVICE decided here: the frozen runtime must not probe the GPU to resolve auto (process snapshots
+        # are taken before CUDA is initialised)
+        environ = checkpoint.settings_environ(settings) | {"DEVICE": device}
+        frozen = checkpoint.freeze_runtime(kind, model_dir, environ, tmp, pid_namespace)
         build_s = time.time() - started
         log.info("%s snapshot: runtime ready in %.1f s; checkpointing pid %d", kind, build_s, frozen.pid)
         if hooks.before_dump is not None:
