@@ -52,6 +52,8 @@ class GraphRestorer(Protocol):
     """Rebuilds the decode graphs from a materialised description instead of capturing them
     (snapshots/cudagraph). Returns the batch sizes it could not restore, which are captured live."""
 
+    timings: dict[str, float]  # seconds of each part of the restore, for the timeline
+
     def restore(self, runner: ModelRunner) -> dict[int, str]: ...
 
 
@@ -140,6 +142,7 @@ class Engine:
             with t.stage(stages.CUDA_GRAPHS, restored=graph_restorer is not None) as graph_stage:
                 if graph_restorer is not None:
                     self.graph_fallbacks = graph_restorer.restore(runner)
+                    graph_stage.detail.update(graph_restorer.timings)
                     for bs, why in self.graph_fallbacks.items():
                         log.warning("graph for batch size %d captured live: %s", bs, why)
                 missing = [bs for bs in runner.graph_batch_sizes if bs not in runner.graphs]

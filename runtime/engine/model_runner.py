@@ -22,6 +22,10 @@ from runtime.engine.scheduler import ScheduledBatch
 from runtime.engine.weight_plan import DTYPES, WeightPlan, tensor_views
 
 PREFILL_BLOCK_Q = 16
+#: a CUDA context with torch's kernels loaded (about 500 MiB on an H100), created before anything is measured
+CUDA_CONTEXT_BYTES = 512 << 20
+#: left free on the GPU beside the KV cache (fragmentation, other processes' growth)
+FREE_MARGIN_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,11 @@ class ModelRunner:
         self.num_kv_blocks = 0
         self.cos_sin: torch.Tensor | None = None
         self.decode: DecodeBuffers | None = None
+        # device memory in use when this engine began (its CUDA context, other processes): see profile_kv_blocks
+        self._used_at_start = 0
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info()
+            self._used_at_start = total - free - torch.cuda.memory_reserved()
 
     # -- allocation, in start-up order -------------------------------------------------------------
 
@@ -162,8 +171,12 @@ class ModelRunner:
             del scratch
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
-        non_torch = (total - free) - torch.cuda.memory_reserved()
-        budget = total * self.config.gpu_memory_utilization - torch.cuda.memory_allocated() - peak - non_torch
+        # GPU_MEMORY_UTILIZATION is this engine's share of the GPU: what other processes (other instances
+        # starting beside it) use is not charged to it, but the cache must still fit in what is free now.
+        reserved = torch.cuda.memory_reserved()
+        own_non_torch = CUDA_CONTEXT_BYTES + max(0, (total - free) - self._used_at_start - reserved)
+        budget = total * self.config.gpu_memory_utilization - reserved - own_non_torch - peak
+        budget = min(budget, free - peak - FREE_MARGIN_BYTES)
         num_blocks = int(budget // self.kv_block_bytes)
         if num_blocks < self.max_blocks_per_seq + self.reserved_blocks:
             raise RuntimeError(f"not enough GPU memory for the KV cache of one {self.max_model_len}-token sequence "

@@ -21,10 +21,9 @@ from snapshots.cudagraph.describe import kernel_function
 def resolve_kernels(runner: ModelRunner, batch_sizes: list[int], names: set[str]) -> dict[str, int]:
     found: dict[str, set[int]] = {}
     with torch.inference_mode():
-        for bs in batch_sizes:
-            runner.run_first_layers(bs)
         graphs: list[torch.cuda.CUDAGraph] = []  # alive until all are read: they share one pool
         for bs in batch_sizes:
+            runner.run_first_layers(bs)  # loads this shape's modules outside the capture
             graph = torch.cuda.CUDAGraph(keep_graph=True)
             with torch.cuda.graph(graph, pool=graphs[0].pool() if graphs else None):
                 runner.run_first_layers(bs)
@@ -33,6 +32,8 @@ def resolve_kernels(runner: ModelRunner, batch_sizes: list[int], names: set[str]
                 if cu.node_type(node) == cu.NODE_KERNEL:
                     func = kernel_function(cu.kernel_node_params(node))
                     found.setdefault(cu.function_name(func), set()).add(func)
+            if names <= found.keys():  # every kernel the graphs need is loaded: the other shapes add nothing
+                break
         del graphs
     handles = {name: next(iter(funcs)) for name, funcs in found.items() if len(funcs) == 1}
     missing = names - found.keys()

@@ -78,7 +78,8 @@ class MaterializedGraphs:
             except cu.CudaError as exc:
                 fallbacks[record.batch_size] = str(exc)
         torch.cuda.synchronize()
-        self.timings = {"load_and_patch_s": t1 - t0, "kernels_s": t2 - t1, "build_s": time.perf_counter() - t2}
+        self.timings = {"load_and_patch_s": round(t1 - t0, 4), "kernels_s": round(t2 - t1, 4),
+                        "build_s": round(time.perf_counter() - t2, 4)}
         return fallbacks
 
 
