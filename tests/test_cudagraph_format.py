@@ -11,7 +11,7 @@ import pytest
 from runtime.engine.allocator import Allocation
 from snapshots.cudagraph.records import ALLOC, SEGMENT, GraphSet, KernelNode
 from snapshots.cudagraph.relocate import Region, RegionIndex, RegionTimeline
-from snapshots.cudagraph.restore import allocation_mismatch, patch_parameters
+from snapshots.cudagraph.restore import allocation_mismatch, patch_parameters, trigger_batch_sizes
 
 FIXTURE = Path(__file__).parent / "fixtures" / "cudagraph_tiny"
 
@@ -114,3 +114,14 @@ def test_a_different_allocation_sequence_is_refused():
     Runner.allocator.log[-1] = Allocation(len(Runner.allocator.log) - 1, "kv_cache", 1234, 0)
     reason = allocation_mismatch(graph_set, Runner)
     assert reason and "kv_cache" in reason
+
+
+def test_kernel_triggering_covers_every_kernel_with_fewer_sizes():
+    graph_set, _ = GraphSet.load(FIXTURE)
+    # a third graph that needs one kernel no other graph has: the cover must take it too
+    odd = KernelNode(**{**graph_set.graphs[0].nodes[0].__dict__, "name": "only_in_batch_8"})
+    graphs = graph_set.graphs + [type(graph_set.graphs[0])(8, [odd])]
+    chosen = trigger_batch_sizes(graphs)
+    used = {n.name for g in graphs if g.batch_size in chosen for n in g.nodes if isinstance(n, KernelNode)}
+    assert used == set(graph_set.kernel_names) | {"only_in_batch_8"}
+    assert 8 in chosen and len(chosen) < len(graphs)
