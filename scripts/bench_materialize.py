@@ -41,7 +41,7 @@ def child(mode: str, model_dir: Path, snapshot: Path) -> dict:
     loading = time.perf_counter() - t0
     stages = engine.timeline.durations()
     return {"mode": mode, "loading_s": loading, **{s: stages.get(s, 0.0) for s in STAGES},
-            "fallbacks": len(engine.graph_fallbacks)}
+            "fallbacks": len(engine.graph_fallbacks), "graph_detail": engine.timeline.get("cuda_graphs").detail}
 
 
 def run_child(mode: str, model_dir: Path, snapshot: Path) -> dict:
