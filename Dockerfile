@@ -29,7 +29,8 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PATH=/opt/thawllm/venv/bin:$PATH \
-    CACHE_DIR=/tmp/thawllm
+    CACHE_DIR=/tmp/thawllm \
+    TRITON_CACHE_DIR=/opt/thawllm/baked/triton
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
     && rm -rf /var/lib/apt/lists/*
@@ -67,7 +68,8 @@ EXPOSE 8080
 ENTRYPOINT ["faas-bootstrap"]
 
 
-# A function image: the base plus what faas-build baked (weights layout, snapshots, manifest).
+# A function image: the base plus what faas-build baked (weights layout, snapshots, and the Triton kernels
+# compiled while baking, so that no kernel is compiled on the start path).
 FROM runtime AS function
 ARG BAKED=baked
 COPY ${BAKED} /opt/thawllm/baked
