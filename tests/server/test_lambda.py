@@ -102,15 +102,16 @@ def test_direct_invocation_goes_to_the_event_function(buffered: RuntimeAPIServer
 
 def test_streamed_chat_completion(streaming: RuntimeAPIServer):
     result = streaming.invoke(http_event("POST", "/v1/chat/completions", {
-        "model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 60,
+        "model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 300,
         "temperature": 0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}))
     prelude, body = split_prelude(result)
     assert prelude["statusCode"] == 200 and prelude["headers"]["content-type"].startswith("text/event-stream")
     events = [e for e in body.decode().split("\n\n") if e]
     assert events[-1] == "data: [DONE]"
-    assert orjson.loads(events[-2][6:])["usage"]["completion_tokens"] == 60
-    # streamed as generated: many chunks, spread over the generation, not one buffered body
-    assert len(result.chunks) > 30
+    assert orjson.loads(events[-2][6:])["usage"]["completion_tokens"] == 300
+    # streamed as generated: many chunks, spread over the generation (300 tokens take a good part of a
+    # second even on a fast CPU), not one buffered body
+    assert len(result.chunks) > 100
     assert result.chunks[-1][0] - result.chunks[0][0] > 0.05
     assert not result.trailers.get("lambda-runtime-function-error-type")
 
