@@ -138,7 +138,8 @@ def build_fresh(settings: Settings, timeline: Timeline) -> "Engine":
     from runtime.launch import build_engine, engine_config
 
     timeline.mark(stages.RUNTIME_INIT)
-    model_dir = resolve_model(settings)
+    with timeline.stage(stages.MODEL_SOURCE, model=settings.model or "embedded"):
+        model_dir = resolve_model(settings)
     return build_engine(model_dir, engine_config(settings), timeline, served_model_name(settings), settings)
 
 

@@ -16,6 +16,7 @@ from typing import Any, Iterator
 
 RUNTIME_INIT = "runtime_init"
 RESTORE = "restore"
+MODEL_SOURCE = "model_source"  # finding the model: a GGUF import on first use, an S3 layout's manifest
 TOKENIZER = "tokenizer"
 MODEL_STRUCTURE = "model_structure"
 CUDA_INIT = "cuda_init"
@@ -27,7 +28,7 @@ READY = "ready"
 FIRST_TOKEN = "first_token"
 
 #: the order stages are printed and drawn in
-STAGE_ORDER = (RUNTIME_INIT, RESTORE, TOKENIZER, MODEL_STRUCTURE, CUDA_INIT, WEIGHTS, KV_CACHE,
+STAGE_ORDER = (RUNTIME_INIT, RESTORE, MODEL_SOURCE, TOKENIZER, MODEL_STRUCTURE, CUDA_INIT, WEIGHTS, KV_CACHE,
                KERNEL_PRELOAD, CUDA_GRAPHS, READY, FIRST_TOKEN)
 
 

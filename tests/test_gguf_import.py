@@ -3,6 +3,7 @@ README's first command (no MODEL) answering through the real server and openai c
 
 import asyncio
 
+import httpx
 import numpy as np
 import openai
 import pytest
@@ -195,5 +196,9 @@ def test_server_without_model_serves_the_embedded_smollm2(tmp_path, monkeypatch)
             messages=[{"role": "user", "content": "What is the capital of France? Answer in one sentence."}])
         assert "Paris" in reply.choices[0].message.content
         assert "imported SmolLM2-135M-Instruct.Q4_1.gguf in" in server.log()
+        # the first start's import is a stage of its own in the cold-start timeline, before the tokenizer
+        stages = {s["stage"]: s for s in httpx.get(f"{server.url}/health", timeout=5).json()["stages"]}
+        assert stages["model_source"]["seconds"] > 0.5
+        assert stages["model_source"]["end_s"] <= stages["tokenizer"]["start_s"]
     finally:
         server.stop()
