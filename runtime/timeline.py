@@ -22,14 +22,13 @@ MODEL_STRUCTURE = "model_structure"
 CUDA_INIT = "cuda_init"
 WEIGHTS = "weights"
 KV_CACHE = "kv_cache"
-KERNEL_PRELOAD = "kernel_preload"
 CUDA_GRAPHS = "cuda_graphs"
 READY = "ready"
 FIRST_TOKEN = "first_token"
 
 #: the order stages are printed and drawn in
 STAGE_ORDER = (RUNTIME_INIT, RESTORE, MODEL_SOURCE, TOKENIZER, MODEL_STRUCTURE, CUDA_INIT, WEIGHTS, KV_CACHE,
-               KERNEL_PRELOAD, CUDA_GRAPHS, READY, FIRST_TOKEN)
+               CUDA_GRAPHS, READY, FIRST_TOKEN)
 
 
 @dataclass
