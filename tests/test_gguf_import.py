@@ -177,8 +177,11 @@ def test_another_architecture_is_refused_by_name(tmp_path):
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 
-def test_a_failed_import_leaves_nothing_behind(tmp_path):
+def test_a_failed_import_leaves_nothing_behind_nor_what_a_killed_one_left(tmp_path):
     path = _tiny_gguf(tmp_path / "model.gguf", "llama", "blk.0.attn_mystery.weight")
+    killed = tmp_path / "out" / ".model.tmp-999999999"  # what an import SIGKILLed midway leaves
+    (killed / "half.safetensors").parent.mkdir(parents=True)
+    (killed / "half.safetensors").write_bytes(b"\0" * 64)
     with pytest.raises(GGUFImportError, match="blk.0.attn_mystery.weight"):
         import_gguf(path, tmp_path / "out" / "model")
     assert list((tmp_path / "out").iterdir()) == []

@@ -14,12 +14,12 @@ import json
 import os
 import re
 import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from runtime.logs import get_logger
+from runtime.weights.temps import remove_dead_temps, temp_beside
 
 if TYPE_CHECKING:
     import numpy as np
@@ -61,8 +61,10 @@ def import_gguf(gguf_path: Path, out_dir: Path) -> Path:
         raise GGUFImportError(f"{gguf_path.name} has no tokenizer (no tokenizer.ggml.tokens)")
     config = hf_config(meta, {t.name for t in reader.tensors})
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
-    tmp.chmod(0o755)  # mkdtemp makes it private; the imported model is as readable as a downloaded one
+    remove_dead_temps(out_dir)
+    tmp = temp_beside(out_dir)
+    shutil.rmtree(tmp, ignore_errors=True)  # this process's own, from an import that failed earlier
+    tmp.mkdir()
     try:
         _write_weights(reader, config, tmp / "model.safetensors")
         _write_json(tmp / "config.json", config)

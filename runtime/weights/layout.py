@@ -35,6 +35,7 @@ from runtime.weights.manifest import (
     is_layout,
 )
 from runtime.weights.s3 import S3Store, is_s3, join_key, split_url
+from runtime.weights.temps import remove_dead_temps, temp_beside
 
 log = get_logger("weights.layout")
 
@@ -63,9 +64,9 @@ def write_layout(source: str, out: str, *, dtype: str = "bfloat16", file_bytes: 
             upload_layout(staged, out, manifest, store, progress)
             return manifest
         final = Path(out)
-        temp = final.parent / f".{final.name}.tmp-{os.getpid()}"
+        temp = temp_beside(final)
         final.parent.mkdir(parents=True, exist_ok=True)
-        _remove_dead_temps(final)
+        remove_dead_temps(final)
         try:
             manifest = _write_local(model_dir, temp, dtype, file_bytes, chunk_bytes, hash, content_hash, progress)
             os.rename(temp, final)
@@ -154,14 +155,6 @@ def _write_local(model_dir: Path, out: Path, dtype: str, file_bytes: int, chunk_
                         tuple(tensors), copied)
     (out / MANIFEST).write_bytes(manifest.to_json())
     return manifest
-
-
-def _remove_dead_temps(final: Path) -> None:
-    """Temporaries of builds of the same layout that were killed (SIGKILL leaves no chance to clean up)."""
-    for temp in final.parent.glob(f".{final.name}.tmp-*"):
-        pid = temp.name.rsplit("-", 1)[-1]
-        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
-            shutil.rmtree(temp, ignore_errors=True)
 
 
 def split_into_files(plan: WeightPlan, file_bytes: int) -> list[tuple[int, int, list[PlannedTensor]]]:

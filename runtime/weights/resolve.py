@@ -24,6 +24,7 @@ from runtime.weights.errors import WeightsError
 from runtime.weights.manifest import MANIFEST, Manifest, is_layout
 from runtime.weights.s3 import S3Store, is_s3, join_key, split_url
 from runtime.weights.sources import ORIGIN
+from runtime.weights.temps import remove_dead_temps, temp_beside
 
 
 def disk_cache(cache_dir: Path, cache_max_gb: float) -> DiskCache:
@@ -76,7 +77,8 @@ def _resolve_s3_model(url: str, cache: DiskCache, store: S3Store) -> Path:
     if final.is_dir() and all((final / name).is_file() for name in listing) and listing:
         return _model_dir(final, url, cache)
     cache.root.mkdir(parents=True, exist_ok=True)
-    temp = cache.root / f".src-{key}.tmp-{os.getpid()}"
+    temp = temp_beside(final)
+    remove_dead_temps(final)
     try:
         download_prefix(url, temp, store, progress=False)
         shutil.rmtree(final, ignore_errors=True)
@@ -105,6 +107,6 @@ def _fetch_small(entry: Path, names: dict[str, str], bucket: str, store: S3Store
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
-    temp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    temp = temp_beside(path)
     temp.write_bytes(data)
     os.rename(temp, path)
