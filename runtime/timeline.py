@@ -61,10 +61,6 @@ class Timeline:
         self._stages: list[Stage] = []
         self._lock = threading.Lock()
 
-    def rebase(self, origin: float) -> None:
-        """Measure from a new spawn time, e.g. the bootstrap's, after a CRIU restore."""
-        self.origin = origin
-
     def record(self, name: str, start: float, end: float, **detail: Any) -> Stage:
         stage = Stage(name, start, end, dict(detail))
         with self._lock:

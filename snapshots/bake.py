@@ -16,6 +16,7 @@ from typing import Callable, Iterable
 
 from runtime.config import Settings
 from runtime.logs import get_logger
+from snapshots.fingerprint import resolved_device
 
 log = get_logger("snapshots.bake")
 
@@ -57,14 +58,8 @@ def bake_snapshots(settings: Settings, model_dir: Path, kinds: Iterable[str] | N
     return results
 
 
-def _device(settings: Settings) -> str:
-    from runtime.launch import resolve_device
-
-    return resolve_device(settings.device)
-
-
 def bake_materialized_state(settings: Settings, model_dir: Path) -> str:
-    if _device(settings) != "cuda":
+    if resolved_device(settings) != "cuda":
         raise CannotBake("needs a GPU (the KV profile and the decode graphs are the GPU's)")
     if settings.enforce_eager:
         raise CannotBake("ENFORCE_EAGER is set: there are no graphs to materialise")
@@ -92,7 +87,7 @@ def bake_process(settings: Settings, model_dir: Path) -> str:
 def bake_gpu(settings: Settings, model_dir: Path) -> str:
     import importlib.util
 
-    if _device(settings) != "cuda":
+    if resolved_device(settings) != "cuda":
         raise CannotBake("needs a GPU")
     if importlib.util.find_spec("cuda.bindings") is None:
         raise CannotBake("cuda-bindings is not installed (the CUDA checkpoint API)")

@@ -9,7 +9,6 @@ under the bound. A file larger than the whole bound is not cached at all.
 from __future__ import annotations
 
 import os
-import shutil
 import threading
 from pathlib import Path
 
@@ -86,9 +85,6 @@ class DiskCache:
             except FileNotFoundError:
                 pass
         return out
-
-    def remove_entry(self, identity: str) -> None:
-        shutil.rmtree(self.entry_dir(identity), ignore_errors=True)
 
 
 def _evictable(path: Path) -> bool:
