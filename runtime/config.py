@@ -117,6 +117,10 @@ class Settings:
     gpu_memory_utilization: float = _setting(
         "GPU_MEMORY_UTILIZATION", _fraction, 0.90, "share of GPU memory the engine may use")
     enforce_eager: bool = _setting("ENFORCE_EAGER", _bool, False, "never use CUDA graphs")
+    gpu_snapshot_weights: str = _setting(
+        "GPU_SNAPSHOT_WEIGHTS", _choice("stream", "image"), "stream",
+        "faas-build gpu snapshots: stream (weights and KV cache left out of the image, weights streamed back "
+        "after restore) or image (all GPU memory in the image)")
     handler: str = _setting(
         "HANDLER", str, "handlers.openai:handler", "module:attribute of the handler to serve")
     served_model_name: str | None = _setting(

@@ -36,8 +36,23 @@ def build(kind: str, model_dir: Path, settings: Settings):
     # the served name is the bootstrap's to give (after restore, from SERVED_NAME/MODEL as they are then)
     engine = build_engine(model_dir, engine_config(settings, settings.device))  # DEVICE resolved by the bake
     if kind == "gpu":
-        engine.start()
+        stream = settings.gpu_snapshot_weights == "stream"
+        engine.start(releasable_memory=stream)
+        if stream:  # the image keeps the addresses, not the bytes: the weights stream back after restore
+            log.info("gpu snapshot: %.2f GiB of weights and KV cache released before the checkpoint",
+                     engine.release_device_memory() / 2**30)
     return engine
+
+
+def reload_released_weights(engine) -> tuple[object | None, dict]:
+    """Right after a restore, map memory back under what the snapshot left out and start streaming the
+    weights into it: (the load, {"started": time, "remap_s": seconds}), or (None, {})."""
+    if engine.runner is None or not engine.runner.allocator.released:
+        return None, {}
+    started = time.time()
+    engine.runner.allocator.remap()
+    remap_s = time.time() - started
+    return engine.reload_weights(), {"started": started, "remap_s": round(remap_s, 4)}
 
 
 def park_stdio() -> None:
@@ -71,7 +86,10 @@ def main() -> int:
     received, conn = handoff.receive(listener)  # <- checkpointed here; everything below runs restored
     taken_over_at = time.time()
     os.environ["THAWLLM_SPAWN_TIME"] = repr(received.spawn_time)
-    thawed.current = thawed.Thawed(args.kind, engine, received, taken_over_at)
+    if received.verify and engine.runner is not None and engine.runner.allocator.released:
+        engine.runner.allocator.remap()  # the bake checks the released addresses can be mapped again
+    weights, reload = (None, {}) if received.verify else reload_released_weights(engine)
+    thawed.current = thawed.Thawed(args.kind, engine, received, taken_over_at, weights, reload)
     # As the init of its pid namespace this process ignores signals it has no handler for: until the server
     # installs its own (drain on SIGTERM), a SIGTERM forwarded by the bootstrap ends it.
     signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(128 + signum))

@@ -13,6 +13,7 @@ the bootstrap starts fresh: no second CRIU attempt.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -96,7 +97,18 @@ def _usable(kind: str, settings: Settings) -> tuple[Criu, SnapshotImage, "CriuHo
 
 
 def restore_gpu(settings: Settings, timeline: Timeline) -> "Engine":
-    return _restored_engine("gpu", timeline)  # already started: its device state came back with it
+    """The started engine the snapshot holds; if the image left its weights out, they have been streaming
+    back since the restore (snapshots/frozen.py) and the engine is ready once they are in."""
+    engine = _restored_engine("gpu", timeline)
+    current = thawed.current
+    if current.weights is not None:
+        current.weights.wait()
+        detail = {"bytes": engine.plan.total_bytes, "after_restore": True, "remap_s": current.reload["remap_s"]}
+        if hasattr(current.weights, "tier_stats"):
+            detail["tiers"] = current.weights.tier_stats()
+        timeline.record(stages.WEIGHTS, current.reload["started"], time.time(), **detail)
+        current.weights = None
+    return engine
 
 
 def restore_process(settings: Settings, timeline: Timeline) -> "Engine":

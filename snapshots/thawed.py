@@ -3,7 +3,7 @@ by the restore paths (snapshots/restore.py) when the bootstrap runs again inside
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from snapshots.handoff import Handoff
@@ -18,6 +18,8 @@ class Thawed:
     engine: "Engine"
     handoff: Handoff
     taken_over_at: float
+    weights: object | None = None  # gpu, weights left out of the image: their load, streaming since restore
+    reload: dict = field(default_factory=dict)  # when it started, how long mapping the memory back took
 
 
 #: None in every process but one restored from a snapshot

@@ -29,8 +29,10 @@ def greedy(engine):
         params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
         return [t async for out in engine.generate(prompt, params) for t in out.token_ids]
 
+    # One request at a time: concurrent requests join the batch in an order that depends on thread timing,
+    # and on random bf16 weights a different batch composition (another GEMM shape) can flip a near-tie.
     async def everything():
-        return await asyncio.gather(*[one(p) for p in PROMPTS])
+        return [await one(p) for p in PROMPTS]
 
     return asyncio.run(everything())
 
@@ -44,16 +46,20 @@ def test_restored_graphs_are_bit_identical_and_generate_the_same(shape, gpu_mode
     assert report.validated, report.problems
     assert report.graphs == 35  # 1, 2, 4 and every multiple of 8 up to 256, each checked bit for bit
 
+    materialized = tmp_path / "materialized"
     captured = build_engine(model_dir, config)
-    captured.start()
-    expected = greedy(captured)
-    captured.shutdown()
+    try:
+        captured.start(kv_blocks=load_kv_blocks(materialized))  # same KV size; graphs captured live
+        expected = greedy(captured)
+    finally:
+        captured.shutdown()
 
     restored = build_engine(model_dir, config)
-    materialized = tmp_path / "materialized"
-    restored.start(kv_blocks=load_kv_blocks(materialized), graph_restorer=MaterializedGraphs(materialized))
-    assert restored.graph_fallbacks == {}
-    assert sorted(restored.runner.graphs) == sorted(config.cuda_graph_batch_sizes)
-    assert restored.timeline.get("cuda_graphs").detail["restored"] is True
-    assert greedy(restored) == expected
-    restored.shutdown()
+    try:
+        restored.start(kv_blocks=load_kv_blocks(materialized), graph_restorer=MaterializedGraphs(materialized))
+        assert restored.graph_fallbacks == {}
+        assert sorted(restored.runner.graphs) == sorted(config.cuda_graph_batch_sizes)
+        assert restored.timeline.get("cuda_graphs").detail["restored"] is True
+        assert greedy(restored) == expected
+    finally:
+        restored.shutdown()

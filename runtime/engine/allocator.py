@@ -29,20 +29,46 @@ class DeviceAllocator:
         self.device = device
         self.log: list[Allocation] = []
         self._buffers: list[torch.Tensor] = []
+        self._releasable: dict = {}  # name -> ReleasableBuffer
 
-    def alloc(self, name: str, nbytes: int) -> torch.Tensor:
-        """A flat uint8 buffer of `nbytes`, kept alive for the engine's lifetime."""
-        buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)
+    def alloc(self, name: str, nbytes: int, releasable: bool = False) -> torch.Tensor:
+        """A flat uint8 buffer of `nbytes`, kept alive for the engine's lifetime. A `releasable` one (CUDA
+        only) can give its physical memory back and get new memory at the same address (runtime/engine/vmm.py)."""
+        if releasable:
+            from runtime.engine.vmm import ReleasableBuffer
+
+            owner = ReleasableBuffer(nbytes, self.device)
+            self._releasable[name] = owner
+            buffer = owner.tensor
+        else:
+            buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)
         self.log.append(Allocation(len(self.log), name, nbytes, buffer.data_ptr()))
         self._buffers.append(buffer)
         return buffer
 
-    def alloc_tensor(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    def alloc_tensor(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+                     releasable: bool = False) -> torch.Tensor:
         numel = 1
         for n in shape:
             numel *= n
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        return self.alloc(name, nbytes)[:nbytes].view(dtype).view(shape)
+        return self.alloc(name, nbytes, releasable)[:nbytes].view(dtype).view(shape)
+
+    def release(self) -> int:
+        """Free the physical memory of every releasable buffer (their addresses stay reserved and every view
+        of them stays valid, unusable until `remap`). Returns the bytes given back."""
+        for owner in self._releasable.values():
+            owner.release()
+        return sum(owner.size for owner in self._releasable.values())
+
+    def remap(self) -> None:
+        """New (uninitialised) physical memory under every released buffer, at the same addresses."""
+        for owner in self._releasable.values():
+            owner.remap()
+
+    @property
+    def released(self) -> bool:
+        return any(not owner.mapped for owner in self._releasable.values())
 
     def buffer(self, index: int) -> torch.Tensor:
         return self._buffers[index]

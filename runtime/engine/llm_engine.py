@@ -101,16 +101,21 @@ class Engine:
             model_config = ModelConfig.from_dir(model_dir)
             engine = cls(model_dir, model_config, tokenizer, config, load_weights, timeline,
                          model_name or model_dir.name)
+            if config.device == "cuda":
+                from runtime.engine.kernels import prepare_kernels
+
+                prepare_kernels()
         if config.max_model_len and config.max_model_len > model_config.max_position_embeddings:
             raise InvalidParams("max_model_len", f"MAX_MODEL_LEN={config.max_model_len} is longer than the "
                                 f"model's {model_config.max_position_embeddings} positions")
         return engine
 
     def start(self, kv_blocks: int | None = None, graph_restorer: GraphRestorer | None = None,
-              capture_graphs: bool = True) -> None:
+              capture_graphs: bool = True, releasable_memory: bool = False) -> None:
         """Device phase. With `kv_blocks` and `graph_restorer` (materialised state) the KV profile and the
         graph capture are skipped and overlap the weight stream; without them, like vLLM: load, then profile,
-        then capture. `capture_graphs=False` leaves the graphs to the caller (faas-build materialises them)."""
+        then capture. `capture_graphs=False` leaves the graphs to the caller (faas-build materialises them).
+        `releasable_memory` puts the weights and the KV cache where `release_device_memory` can free them."""
         t = self.timeline
         with t.stage(stages.CUDA_INIT, device=self.config.device):
             device = torch.device(self.config.device)
@@ -121,7 +126,7 @@ class Engine:
         self.runner = runner
         weights_stage = t.stage(stages.WEIGHTS, bytes=self.plan.total_bytes)
         weights_stage.__enter__()
-        buffer = runner.allocate_weights(self.plan)
+        buffer = runner.allocate_weights(self.plan, releasable_memory)
         load = self._load_weights(self.plan, buffer)
         materialized = kv_blocks is not None
         if not materialized:
@@ -136,7 +141,7 @@ class Engine:
                 kv_blocks = self.config.num_kv_blocks or runner.cpu_kv_blocks()
             if self.config.num_kv_blocks:
                 kv_blocks = self.config.num_kv_blocks
-            runner.allocate_kv(kv_blocks)
+            runner.allocate_kv(kv_blocks, releasable_memory)
             kv_stage.detail["blocks"] = kv_blocks
         if runner.graph_batch_sizes and (capture_graphs or graph_restorer is not None):
             with t.stage(stages.CUDA_GRAPHS, restored=graph_restorer is not None) as graph_stage:
@@ -162,6 +167,18 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
         self.ready = True
+
+    def release_device_memory(self) -> int:
+        """Free the physical memory of the weights and the KV cache, keeping their addresses (a weight-less
+        gpu snapshot is taken after this). The engine must not run until `reload_weights()`. Returns bytes."""
+        return self.runner.allocator.release()
+
+    def reload_weights(self) -> WeightLoad:
+        """Map new memory at the released addresses and stream the weights into it; returns the load (its
+        `wait()` is the end). The CUDA graphs and every parameter view still point at the right places."""
+        runner = self.runner
+        runner.allocator.remap()
+        return self._load_weights(self.plan, runner.weight_buffer)
 
     # -- the async API -----------------------------------------------------------------------------
 

@@ -78,6 +78,7 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_kv_blocks = 0
         self.cos_sin: torch.Tensor | None = None
+        self.weight_buffer: torch.Tensor | None = None
         self.decode: DecodeBuffers | None = None
         # device memory in use when this engine began (its CUDA context, other processes): see profile_kv_blocks
         self._used_at_start = 0
@@ -87,9 +88,10 @@ class ModelRunner:
 
     # -- allocation, in start-up order -------------------------------------------------------------
 
-    def allocate_weights(self, plan: WeightPlan) -> torch.Tensor:
-        buffer = self.allocator.alloc("weights", plan.total_bytes)
+    def allocate_weights(self, plan: WeightPlan, releasable: bool = False) -> torch.Tensor:
+        buffer = self.allocator.alloc("weights", plan.total_bytes, releasable)
         bind_weights(self.model, tensor_views(buffer, plan))
+        self.weight_buffer = buffer
         return buffer
 
     def allocate_static(self) -> None:
@@ -123,10 +125,10 @@ class ModelRunner:
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         return c.num_layers * 2 * self.config.block_size * c.num_kv_heads * c.head_dim * itemsize
 
-    def allocate_kv(self, num_blocks: int) -> None:
+    def allocate_kv(self, num_blocks: int, releasable: bool = False) -> None:
         c = self.model_config
         shape = (c.num_layers, 2, num_blocks, self.config.block_size, c.num_kv_heads, c.head_dim)
-        kv = self.allocator.alloc_tensor("kv_cache", shape, self.dtype)
+        kv = self.allocator.alloc_tensor("kv_cache", shape, self.dtype, releasable)
         self.kv_caches = [(kv[i, 0], kv[i, 1]) for i in range(c.num_layers)]
         self.num_kv_blocks = num_blocks
 
@@ -191,7 +193,9 @@ class ModelRunner:
         for bs in sorted(self.graph_batch_sizes, reverse=True):
             self._graph_forward(bs)  # warm-up: cuBLAS and Triton set themselves up outside the capture
             graph = torch.cuda.CUDAGraph(keep_graph=keep_graphs)
-            with torch.cuda.graph(graph, pool=self.graph_pool):
+            # thread_local: the weight loader's threads may still be streaming (materialised start), and a
+            # global capture would fail their pinned allocations and event waits
+            with torch.cuda.graph(graph, pool=self.graph_pool, capture_error_mode="thread_local"):
                 self._graph_forward(bs)
             if keep_graphs:
                 graph.instantiate()

@@ -25,7 +25,8 @@ def resolve_kernels(runner: ModelRunner, batch_sizes: list[int], names: set[str]
         for bs in batch_sizes:
             runner.run_first_layers(bs)  # loads this shape's modules outside the capture
             graph = torch.cuda.CUDAGraph(keep_graph=True)
-            with torch.cuda.graph(graph, pool=graphs[0].pool() if graphs else None):
+            with torch.cuda.graph(graph, pool=graphs[0].pool() if graphs else None,
+                                  capture_error_mode="thread_local"):  # the weights are still streaming
                 runner.run_first_layers(bs)
             graphs.append(graph)
             for node in cu.graph_nodes(graph.raw_cuda_graph()):
