@@ -3,9 +3,11 @@
 For each shape (a random-weight model of a real shape, scripts/model_shapes.py), GiB/s of:
   limit_read      the layout files read in parallel (16 threads, 64 MiB preadv) and thrown away
   limit_h2d       pinned host memory -> GPU, 256 MiB copies (GPU only)
-  loader          runtime/weights/loader.py into the engine's flat buffer (BLAKE3 verified on the way)
+  loader_xxh3-128 runtime/weights/loader.py into the engine's flat buffer, verified on the way with the
+                  default chunk hash
   loader_nohash   the same without verification: what hashing costs (page cache only)
-  loader_sha256   the same from a layout built with --hash sha256 (built, measured, deleted)
+  loader_blake3   the same from a layout built with --hash blake3, and loader_sha256 with --hash sha256
+                  (--compare-hashes; each built, measured and deleted before the next)
   safetensors     safetensors load_file, then .to(device), tensor by tensor
   transformers    AutoModelForCausalLM.from_pretrained(dtype=bfloat16) then .to(device) (page cache only)
   loader_s3       the loader from a moto S3 server on loopback (--s3-shapes), then again from the disk cache
@@ -37,7 +39,7 @@ import torch  # noqa: E402
 
 from runtime.weights.layout import write_layout  # noqa: E402
 from runtime.weights.loader import LoaderOptions, layout_loader  # noqa: E402
-from runtime.weights.manifest import Manifest  # noqa: E402
+from runtime.weights.manifest import DEFAULT_HASH, HASHES, Manifest  # noqa: E402
 
 GiB, MiB = 1 << 30, 1 << 20
 
@@ -123,7 +125,7 @@ def warm_and_cold(name: str, fn, files: list[Path], nbytes: int, device: str, re
     row = {"warm_gib_s": round(statistics.median(warm), 2), "warm_runs": [round(x, 2) for x in warm]}
     if cold and drop_caches():
         row["cold_gib_s"] = round(timed(fn, nbytes, device), 2)
-    print(f"  {name:<14} {row}", flush=True)
+    print(f"  {name:<16} {row}", flush=True)
     return row
 
 
@@ -154,7 +156,7 @@ def bench_s3(layout: Path, device: str, options: LoaderOptions, work: Path) -> d
                                               manifest.total_bytes, device), 2)
     finally:
         server.stop()
-    print(f"  {'loader_s3':<14} {row}", flush=True)
+    print(f"  {'loader_s3':<16} {row}", flush=True)
     return row
 
 
@@ -164,6 +166,8 @@ def bench_shape(shape: str, args, work: Path) -> dict:
     device = args.device
     model_dir = make_random_model_dir(work / shape, shape)
     layout = work / f"{shape}-layout"
+    if (layout / "manifest.json").exists() and Manifest.read(layout).hash != DEFAULT_HASH:
+        shutil.rmtree(layout)  # left by a run from before the default changed
     if not (layout / "manifest.json").exists():
         t = time.perf_counter()
         write_layout(str(model_dir), str(layout), dtype="bfloat16", progress=False)
@@ -182,9 +186,10 @@ def bench_shape(shape: str, args, work: Path) -> dict:
               "limit_h2d_gib_s": h2d_limit(device)}
     if result["limit_h2d_gib_s"] is not None:
         result["limit_h2d_gib_s"] = round(result["limit_h2d_gib_s"], 2)
-        print(f"  {'limit_h2d':<14} {result['limit_h2d_gib_s']}", flush=True)
-    result["loader"] = warm_and_cold("loader", lambda: load_layout(layout, device, options), files, nbytes, device,
-                                     args.repeat, cold)
+        print(f"  {'limit_h2d':<16} {result['limit_h2d_gib_s']}", flush=True)
+    name = f"loader_{DEFAULT_HASH}"
+    result[name] = warm_and_cold(name, lambda: load_layout(layout, device, options), files, nbytes, device, args.repeat,
+                                 cold)
     unverified = LoaderOptions(threads=args.threads, read_bytes=args.read_mb * MiB, verify=False)
     result["loader_nohash"] = warm_and_cold("loader_nohash", lambda: load_layout(layout, device, unverified), files,
                                             nbytes, device, args.repeat, False)
@@ -195,14 +200,14 @@ def bench_shape(shape: str, args, work: Path) -> dict:
                                                st_files, st_bytes, device, 1, False)
     if shape in args.s3_shapes:
         result["loader_s3"] = bench_s3(layout, device, options, work)
-    if args.compare_sha256:
-        sha_layout = work / f"{shape}-layout-sha256"
-        shutil.rmtree(sha_layout, ignore_errors=True)
-        write_layout(str(model_dir), str(sha_layout), dtype="bfloat16", hash="sha256", progress=False)
-        sha_files = [sha_layout / f.name for f in manifest.files]
-        result["loader_sha256"] = warm_and_cold("loader_sha256", lambda: load_layout(sha_layout, device, options),
-                                                sha_files, nbytes, device, args.repeat, cold)
-        shutil.rmtree(sha_layout)
+    for hash in args.compare_hashes:  # one extra layout on disk at a time (an 8B one is 15 GiB)
+        other = work / f"{shape}-layout-{hash}"
+        shutil.rmtree(other, ignore_errors=True)
+        write_layout(str(model_dir), str(other), dtype="bfloat16", hash=hash, progress=False)
+        other_files = [other / f.name for f in manifest.files]
+        result[f"loader_{hash}"] = warm_and_cold(f"loader_{hash}", lambda: load_layout(other, device, options),
+                                                 other_files, nbytes, device, args.repeat, cold)
+        shutil.rmtree(other)
     if args.cleanup:
         for path in (model_dir, layout, work / "s3-cache"):
             shutil.rmtree(path, ignore_errors=True)
@@ -210,7 +215,9 @@ def bench_shape(shape: str, args, work: Path) -> dict:
 
 
 def table(results: list[dict]) -> str:
-    rows = [f"{'shape':<12} {'GiB':>6} | {'read lim':>14} {'h2d lim':>7} | {'loader':>14} {'safetensors':>14} "
+    by_hash = [f"loader_{h}" for h in HASHES]
+    rows = [f"{'shape':<12} {'GiB':>6} | {'read lim':>14} {'h2d lim':>7} | "
+            + " ".join(f"{h:>12}" for h in HASHES) + f" {'no hash':>7} | {'safetensors':>14} "
             f"{'transformers':>12} | {'s3':>6} {'s3->cache':>9} | {'loader/limit':>12}"]
 
     def wc(row: dict | None) -> str:
@@ -221,11 +228,14 @@ def table(results: list[dict]) -> str:
     for r in results:
         limit = min(x for x in (r["limit_read"]["warm_gib_s"], r["limit_h2d_gib_s"]) if x)
         s3 = r.get("loader_s3", {})
+        loader = r[f"loader_{DEFAULT_HASH}"]["warm_gib_s"]
         rows.append(f"{r['shape']:<12} {r['bytes'] / GiB:6.2f} | {wc(r['limit_read']):>14} "
-                    f"{r['limit_h2d_gib_s'] or '-':>7} | {wc(r['loader']):>14} {wc(r['safetensors']):>14} "
+                    f"{r['limit_h2d_gib_s'] or '-':>7} | " + " ".join(f"{wc(r.get(k)):>12}" for k in by_hash)
+                    + f" {r['loader_nohash']['warm_gib_s']:>7} | {wc(r['safetensors']):>14} "
                     f"{wc(r.get('transformers')):>12} | {s3.get('s3_gib_s', '-'):>6} "
-                    f"{s3.get('disk_cache_gib_s', '-'):>9} | {r['loader']['warm_gib_s'] / limit:12.0%}")
-    return "\n".join(rows) + "\n(GiB/s, warm page cache / cold disk; loader/limit is warm, against min(read, h2d))"
+                    f"{s3.get('disk_cache_gib_s', '-'):>9} | {loader / limit:12.0%}")
+    return "\n".join(rows) + (f"\n(GiB/s, warm page cache / cold disk; the loader verifying with each chunk hash, and "
+                              f"without (warm); loader/limit is {DEFAULT_HASH}'s warm against min(read, h2d))")
 
 
 def main() -> None:
@@ -239,7 +249,10 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--no-cold", action="store_true")
     p.add_argument("--no-transformers", action="store_true")
-    p.add_argument("--compare-sha256", action="store_true", help="also time a layout hashed with sha256")
+    others = [h for h in HASHES if h != DEFAULT_HASH]
+    p.add_argument("--compare-hashes", nargs="*", default=others, choices=others, metavar="HASH",
+                   help=f"also time layouts built with these chunk hashes (default: {' '.join(others)}; none: "
+                        "the flag alone)")
     p.add_argument("--cleanup", action="store_true", help="delete each shape's files once it is measured")
     p.add_argument("--out", type=Path, default=Path("bench-weights.json"))
     args = p.parse_args()

@@ -1,7 +1,7 @@
 """faas-build: what a function image is built with, one step after another.
 
     faas-build --model SRC --out DST [--snapshot-dir DIR [--snapshots auto|KIND,...]] [--dtype bfloat16]
-               [--file-gb 2] [--chunk-mb 64] [--hash blake3] [--quiet]
+               [--file-gb 2] [--chunk-mb 64] [--hash xxh3-128] [--quiet]
 
 The snapshots are baked for the settings the function will boot with: the same environment variables as
 faas-bootstrap (DEVICE, MAX_MODEL_LEN, MAX_NUM_SEQS, GPU_MEMORY_UTILIZATION, ...), MODEL being --out.
@@ -98,7 +98,9 @@ def parse_args(argv: Sequence[str]) -> Build:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--file-gb", type=float, default=2.0, help="split the weights into files of about this size")
     p.add_argument("--chunk-mb", type=float, default=64.0, help="hashed chunk size")
-    p.add_argument("--hash", default="blake3", choices=("blake3", "sha256"), help="chunk hash")
+    # runtime/weights/manifest.py: HASHES and DEFAULT_HASH, spelled out so that --help does not import torch
+    p.add_argument("--hash", default="xxh3-128", choices=("xxh3-128", "blake3", "sha256"),
+                   help="chunk hash: xxh3-128 (a fast checksum) or a cryptographic blake3 / sha256")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--snapshot-dir", type=Path, help="bake the restore paths' snapshots here (SNAPSHOT_DIR at boot)")
     p.add_argument("--snapshots", default="auto",

@@ -1,13 +1,16 @@
 """faas-build's weights step and the pipelined loader on local files: the layout's bytes are the engine's
 weight buffer, greedy text is unchanged, corruption is caught, a failed build leaves nothing, the CLI."""
 
+import hashlib
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import blake3
 import pytest
 import torch
+import xxhash
 from safetensors.torch import load_file, save_file
 
 from runtime.engine.model_config import ModelConfig
@@ -16,10 +19,14 @@ from runtime.weights.errors import WeightsError
 from runtime.weights.hf_dir import hf_dir_loader
 from runtime.weights.layout import write_layout
 from runtime.weights.loader import LoaderOptions, layout_loader
-from runtime.weights.manifest import Manifest
+from runtime.weights.manifest import HASHES, Manifest
+from snapshots.build import BuildError, parse_args
 from tests.weights_helpers import cpu_settings, greedy, start
 
 SMALL = dict(file_bytes=200_000, chunk_bytes=48 * 1024, progress=False)  # several files, many chunks
+#: each chunk hash computed in one go by its own library, to check the layout's streamed digests against
+REFERENCE = {"xxh3-128": lambda b: xxhash.xxh3_128(b).hexdigest(), "blake3": lambda b: blake3.blake3(b).hexdigest(),
+             "sha256": lambda b: hashlib.sha256(b).hexdigest()}
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +45,7 @@ def test_layout_bytes_are_the_engine_weight_buffer(tiny_model, local_layout):
         layout_loader(local_layout, LoaderOptions(threads=threads, read_bytes=20_000))(plan, got).wait()
         assert torch.equal(got, expected)
     manifest = Manifest.read(local_layout)
+    assert manifest.hash == "xxh3-128"  # the default
     assert len(manifest.files) >= 2 and sum(len(f.digests) for f in manifest.files) > len(manifest.files)
     assert b"".join((local_layout / f.name).read_bytes() for f in manifest.files) == expected.numpy().tobytes()
     by_name = {t.name: t for t in manifest.tensors}
@@ -72,7 +80,20 @@ def test_a_layout_for_another_dtype_is_refused_by_name(local_layout, tmp_path):
         start(str(local_layout), cpu_settings(tmp_path, DTYPE="bfloat16"))
 
 
-@pytest.mark.parametrize("hash", ["blake3", "sha256"])
+@pytest.mark.parametrize("hash", HASHES)
+def test_a_layout_of_each_chunk_hash_loads_byte_exact(hash, tiny_model, local_layout, tmp_path):
+    layout = tmp_path / "layout"
+    manifest = write_layout(tiny_model("tiny-llama"), str(layout), dtype="float32", hash=hash, **SMALL)
+    assert Manifest.read(layout).hash == hash
+    for f in manifest.files:
+        data = (layout / f.name).read_bytes()
+        assert list(f.digests) == [REFERENCE[hash](data[o:o + n]) for o, n in f.chunks()]
+    got = torch.full((manifest.total_bytes,), 7, dtype=torch.uint8)
+    layout_loader(layout, LoaderOptions(threads=3, read_bytes=20_000))(manifest.plan, got).wait()
+    assert got.numpy().tobytes() == b"".join((local_layout / f.name).read_bytes() for f in manifest.files)
+
+
+@pytest.mark.parametrize("hash", HASHES)
 def test_a_corrupted_file_is_an_error_naming_it(hash, tiny_model, tmp_path):
     broken = tmp_path / "broken"
     write_layout(tiny_model("tiny-llama"), str(broken), dtype="float32", hash=hash, **SMALL)
@@ -118,19 +139,24 @@ def test_faas_build_cli_writes_a_layout_and_refuses_bad_input_in_one_line(tiny_m
     out = tmp_path / "layout"
     done = faas_build("--model", tiny_model("tiny-qwen2"), "--out", str(out), "--dtype", "float32", "--quiet")
     assert done.returncode == 0, done.stderr
-    assert Manifest.read(out).dtype == "float32"
+    assert Manifest.read(out).dtype == "float32" and Manifest.read(out).hash == "xxh3-128"
     for args, reason in [
         (["--model", str(tmp_path / "nope"), "--out", str(tmp_path / "x")], "is not a Hugging Face model dir"),
         (["--model", tiny_model("tiny-qwen2"), "--out", str(out)], "already exists"),
         (["--model", str(out), "--out", str(tmp_path / "y")], "already a faas-build layout"),
         (["--out", str(tmp_path / "z")], "the following arguments are required: --model"),
         (["--model", tiny_model("tiny-qwen2"), "--out", str(tmp_path / "w"), "--dtype", "int4"], "invalid choice"),
+        (["--model", tiny_model("tiny-qwen2"), "--out", str(tmp_path / "v"), "--hash", "bogus"],
+         "argument --hash: invalid choice"),
     ]:
         done = faas_build(*args)
         assert done.returncode == 2
         lines = done.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("faas-build: ") and reason in lines[0], done.stderr
-    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists() and not (tmp_path / "v").exists()
+    with pytest.raises(BuildError) as bogus:
+        parse_args(["--model", "m", "--out", "o", "--hash", "bogus"])
+    assert all(h in str(bogus.value) for h in HASHES)  # it offers every hash a layout can have
 
 
 def test_a_gguf_file_builds_the_same_bytes_as_its_imported_directory(tmp_path):

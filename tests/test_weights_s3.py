@@ -112,7 +112,7 @@ def test_a_corrupted_object_is_an_error_naming_it_and_is_not_cached(s3_layout, p
     data[100] ^= 0xFF
     s3.put_object(Bucket=BUCKET, Key=key, Body=bytes(data))
     through(proxy, monkeypatch)
-    with pytest.raises(WeightsError, match=r"weights-00001\.bin chunk 0 .* fails its blake3 check"):
+    with pytest.raises(WeightsError, match=r"weights-00001\.bin chunk 0 .* fails its xxh3-128 check"):
         start(f"s3://{BUCKET}/layouts/corrupt", cpu_settings(tmp_path))
     cached = {p.name for p in (tmp_path / "weights").glob("*/weights-*")}
     assert "weights-00001.bin" not in cached and not list((tmp_path / "weights").glob("*/.part-*"))

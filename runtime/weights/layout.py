@@ -24,6 +24,7 @@ from runtime.engine.weight_plan import DTYPES, PlannedTensor, WeightPlan, plan_w
 from runtime.logs import get_logger
 from runtime.weights.errors import WeightsError
 from runtime.weights.manifest import (
+    DEFAULT_HASH,
     FORMAT_VERSION,
     HASHES,
     MANIFEST,
@@ -44,7 +45,7 @@ HASH_BLOCK = 16 * MiB
 
 
 def write_layout(source: str, out: str, *, dtype: str = "bfloat16", file_bytes: int = 2 * GiB,
-                 chunk_bytes: int = 64 * MiB, hash: str = "blake3", store: S3Store | None = None,
+                 chunk_bytes: int = 64 * MiB, hash: str = DEFAULT_HASH, store: S3Store | None = None,
                  progress: bool = True) -> Manifest:
     """Build the layout of `source` at `out` (a local directory that must not exist yet, or an s3:// prefix
     without a manifest.json). Returns its manifest."""

@@ -2,10 +2,10 @@
 
 Reader threads take the layout's hashed chunks in buffer order. Each reads its chunk in `read_bytes` pieces
 (preadv from disk, or ranged GETs from S3) into its own ring of pinned host buffers, hashes every piece as it
-lands (blake3 and hashlib release the GIL on large buffers, so hashing scales with the readers), and enqueues the
-copy to the GPU on its own side stream; a slot is reused only once its copy's event has completed. On CPU the
-pieces are read straight into the weight buffer (no pinned memory, no stream, no copy). A chunk whose
-hash differs fails the load with an error naming the file: the model is never used half-wrong.
+lands (xxhash, blake3 and hashlib release the GIL on large buffers, so hashing scales with the readers), and
+enqueues the copy to the GPU on its own side stream; a slot is reused only once its copy's event has completed.
+On CPU the pieces are read straight into the weight buffer (no pinned memory, no stream, no copy). A chunk
+whose hash differs fails the load with an error naming the file: the model is never used half-wrong.
 
 `wait_tensor(name)` returns as soon as that tensor's chunks are in place, so a caller may use the first
 layers while the last ones stream; `wait()` is the end of the whole load.
