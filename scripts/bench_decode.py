@@ -2,7 +2,9 @@
 
 For each model shape (random bf16 weights of the real shape; the same weights in both), for each batch
 size: steady-state decode tokens/s, and for batch 1 the step time against the HBM roofline (weight bytes /
-3.35 TB/s on an H100 SXM). Prints one table and writes JSON.
+3.35 TB/s on an H100 SXM) and beside the GPU time of one replay of the batch-1 graph: the difference is what
+the host adds to each step (scheduling, staging inputs, sampling, the GPU idle in between). Prints one table
+and writes JSON.
 
     python scripts/bench_decode.py --shapes qwen2-1.5b llama-3-8b --batch 1 8 32 64 --out decode.json
 """
@@ -62,6 +64,21 @@ def engine_decode_rate(engine: Engine, batch: int, steps: int) -> float:
     return batch / step
 
 
+def graph_replay_ms(engine: Engine, replays: int = 100) -> float:
+    """GPU time of one replay of the batch-1 decode graph: back-to-back replays between two CUDA events, so the
+    host is always ahead and the GPU never waits for it (the inputs are whatever the last step left)."""
+    graph = engine.runner.graphs[1]
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / replays
+
+
 def hf_decode_rate(model, batch: int, steps: int) -> float:
     ids = torch.randint(100, 1000, (batch, PROMPT_LEN), device="cuda")
     kwargs = dict(do_sample=False, pad_token_id=0)
@@ -96,6 +113,7 @@ def bench_shape(name: str, batches: list[int], steps: int) -> list[dict]:
         torch.cuda.empty_cache()
         weight_bytes = engine.plan.total_bytes
         graphs = {b: engine_decode_rate(engine, b, steps) for b in batches}
+        replay_ms = graph_replay_ms(engine) if 1 in batches else None
         runner = engine.runner
         sizes, runner.graph_batch_sizes = runner.graph_batch_sizes, []
         eager = {b: engine_decode_rate(engine, b, steps) for b in batches}
@@ -108,6 +126,8 @@ def bench_shape(name: str, batches: list[int], steps: int) -> list[dict]:
             if b == 1:
                 roofline_s = weight_bytes / HBM_BYTES_PER_S
                 row["step_ms"] = 1e3 / graphs[b]
+                row["replay_ms"] = replay_ms
+                row["host_ms"] = row["step_ms"] - replay_ms
                 row["roofline_ms"] = roofline_s * 1e3
                 row["roofline_fraction"] = roofline_s * graphs[b]
             rows.append(row)
@@ -123,9 +143,10 @@ def main() -> None:
     args = parser.parse_args()
     rows = [r for shape in args.shapes for r in bench_shape(shape, args.batch, args.steps)]
     print(f"\n{'shape':<12} {'batch':>5} {'graphs tok/s':>13} {'eager tok/s':>12} {'hf tok/s':>10} "
-          f"{'g/eager':>8} {'g/hf':>6} {'step ms':>8} {'roofline':>9}")
+          f"{'g/eager':>8} {'g/hf':>6} {'step ms':>8} {'replay ms':>9} {'host ms':>8} {'roofline':>9}")
     for r in rows:
-        extra = f"{r['step_ms']:8.2f} {r['roofline_fraction']:8.0%}" if "step_ms" in r else ""
+        extra = (f"{r['step_ms']:8.2f} {r['replay_ms']:9.2f} {r['host_ms']:8.2f} {r['roofline_fraction']:8.0%}"
+                 if "step_ms" in r else "")
         print(f"{r['shape']:<12} {r['batch']:>5} {r['graphs_tok_s']:>13.0f} {r['eager_tok_s']:>12.0f} "
               f"{r['transformers_tok_s']:>10.0f} {r['graphs_vs_eager']:>8.2f} {r['graphs_vs_transformers']:>6.2f} {extra}")
     if args.out:

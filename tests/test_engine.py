@@ -144,6 +144,34 @@ def test_seed_reproduces_sampling_whatever_shares_the_batch(tiny_model, engine_f
     assert other_seed != alone
 
 
+def test_each_request_gets_its_own_tokens_whatever_kinds_share_its_batch(tiny_model, engine_factory):
+    engine = engine_factory(tiny_model("tiny-llama"))
+    requests = [(PROMPTS[1], dict(max_tokens=12, temperature=0)),  # alone: the plain-greedy argmax
+                (PROMPTS[2], dict(max_tokens=12, temperature=0, repetition_penalty=1.5, presence_penalty=1.0)),
+                (PROMPTS[3], dict(max_tokens=12, temperature=0, logprobs=2)),
+                (PROMPTS[4], dict(max_tokens=12, temperature=0.8, top_p=0.9, seed=7))]
+    alone = [tokens(asyncio.run(collect(engine, prompt, **params))) for prompt, params in requests]
+
+    async def together():
+        return await asyncio.gather(*[collect(engine, prompt, **params) for prompt, params in requests])
+
+    assert [tokens(o) for o in asyncio.run(together())] == alone
+
+
+def test_greedy_choice_of_bf16_logits_with_ties_does_not_depend_on_the_batch():
+    from runtime.engine.sampler import Sampler
+    from runtime.engine.sequence import Sequence
+
+    torch.manual_seed(0)
+    logits = (torch.randn(6, 300) * 2).round().bfloat16()  # many exact ties, at the maximum too
+    greedy = [Sequence(f"g{i}", [1], SamplingParams(temperature=0)) for i in range(6)]
+    asking = Sequence("lp", [1], SamplingParams(temperature=0, logprobs=0))
+    sampler = Sampler(torch.device("cpu"), seed=0)
+    plain = [t.token_id for t in sampler(logits, greedy)]
+    mixed = [t.token_id for t in sampler(logits, greedy[:5] + [asking])]
+    assert plain == mixed == logits.float().argmax(dim=-1).tolist()
+
+
 def test_top_k_one_is_greedy_and_penalties_change_choices(tiny_model, engine_factory):
     engine = engine_factory(tiny_model("tiny-llama"))
     greedy = tokens(asyncio.run(collect(engine, PROMPTS[1], max_tokens=20, temperature=0)))

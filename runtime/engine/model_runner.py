@@ -13,12 +13,14 @@ import torch
 
 from runtime.engine.allocator import DeviceAllocator
 from runtime.engine.block_manager import BlockManager
+from runtime.engine.decode_inputs import DecodeBuffers, DecodeStaging
 from runtime.engine.engine_config import EngineConfig
 from runtime.engine.layers.attention import AttentionMetadata
 from runtime.engine.layers.rotary import cos_sin_table, inverse_frequencies
 from runtime.engine.model_config import ModelConfig
 from runtime.engine.models.llama import LlamaForCausalLM, bind_weights
 from runtime.engine.scheduler import ScheduledBatch
+from runtime.engine.sequence import Sequence
 from runtime.engine.weight_plan import DTYPES, WeightPlan, tensor_views
 
 PREFILL_BLOCK_Q = 16
@@ -46,19 +48,6 @@ class Replayable(Protocol):
     def replay(self) -> None: ...
 
 
-@dataclass
-class DecodeBuffers:
-    """Static inputs and outputs of the decode CUDA graphs (views of logged allocations)."""
-
-    input_ids: torch.Tensor     # [max_bs] int64
-    positions: torch.Tensor     # [max_bs] int64
-    slot_mapping: torch.Tensor  # [max_bs] int64
-    seq_lens: torch.Tensor      # [max_bs] int32
-    block_tables: torch.Tensor  # [max_bs, max_blocks] int32
-    arange: torch.Tensor        # [max_bs + 1] int32: query_start_loc, tile_seq and tile_q_start of a decode batch
-    logits: torch.Tensor        # [max_bs, vocab] model dtype
-
-
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, model_config: ModelConfig, config: EngineConfig,
                  max_model_len: int) -> None:
@@ -80,6 +69,7 @@ class ModelRunner:
         self.cos_sin: torch.Tensor | None = None
         self.weight_buffer: torch.Tensor | None = None
         self.decode: DecodeBuffers | None = None
+        self.staging: DecodeStaging | None = None
         # device memory in use when this engine began (its CUDA context, other processes): see profile_kv_blocks
         self._used_at_start = 0
         if self.device.type == "cuda":
@@ -101,6 +91,7 @@ class ModelRunner:
         self.cos_sin.copy_(table)
         if self.graph_batch_sizes:
             self.decode = self._allocate_decode_buffers(max(self.graph_batch_sizes))
+            self.staging = DecodeStaging(self.decode)
 
     def _allocate_decode_buffers(self, max_bs: int) -> DecodeBuffers:
         alloc = self.allocator.alloc_tensor
@@ -230,6 +221,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, blocks: BlockManager) -> torch.Tensor:
         """Logits of the next token of every scheduled sequence, [B, vocab]."""
+        graph_bs = self._graph_size(len(batch.seqs)) if batch.is_decode else None
+        if graph_bs is not None:
+            return self._forward_graph(graph_bs, batch.seqs, blocks)
         ids, positions, slots, query_lens, seq_lens, tables = [], [], [], [], [], []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             start = seq.num_computed_tokens
@@ -239,10 +233,7 @@ class ModelRunner:
             query_lens.append(n)
             seq_lens.append(start + n)
             tables.append(seq.block_table)
-        graph_bs = self._graph_size(len(batch.seqs)) if batch.is_decode else None
-        if graph_bs is None:
-            return self._forward_eager(ids, positions, slots, query_lens, seq_lens, tables)
-        return self._forward_graph(graph_bs, ids, positions, slots, seq_lens, tables)
+        return self._forward_eager(ids, positions, slots, query_lens, seq_lens, tables)
 
     def _graph_size(self, n: int) -> int | None:
         for bs in self.graph_batch_sizes:
@@ -250,22 +241,15 @@ class ModelRunner:
                 return bs
         return None
 
-    def _forward_graph(self, bs, ids, positions, slots, seq_lens, tables) -> torch.Tensor:
-        n, d = len(ids), self.decode
-        pad = bs - n
-        table = torch.zeros((bs, self.max_blocks_per_seq), dtype=torch.int32)
-        for i, row in enumerate(tables):
-            table[i, :len(row)] = torch.tensor(row, dtype=torch.int32)
-        d.input_ids[:bs].copy_(torch.tensor(ids + [0] * pad), non_blocking=True)
-        d.positions[:bs].copy_(torch.tensor(positions + [0] * pad), non_blocking=True)
-        d.slot_mapping[:bs].copy_(torch.tensor(slots + [0] * pad), non_blocking=True)
-        d.seq_lens[:bs].copy_(torch.tensor(seq_lens + [1] * pad, dtype=torch.int32), non_blocking=True)
-        d.block_tables[:bs].copy_(table, non_blocking=True)
+    def _forward_graph(self, bs: int, seqs: list[Sequence], blocks: BlockManager) -> torch.Tensor:
+        positions = [seq.num_computed_tokens for seq in seqs]
+        self.staging.fill(bs, [seq.last_token for seq in seqs], positions,
+                          [blocks.slot(seq, p) for seq, p in zip(seqs, positions)], [seq.block_table for seq in seqs])
+        self.staging.upload(bs)
         self.graphs[bs].replay()
-        return d.logits[:n]
+        return self.decode.logits[:len(seqs)]
 
     def _forward_eager(self, ids, positions, slots, query_lens, seq_lens, tables) -> torch.Tensor:
-        dev = self.device
         starts = [0]
         for n in query_lens:
             starts.append(starts[-1] + n)
@@ -276,19 +260,19 @@ class ModelRunner:
                 tile_seq.append(i)
                 tile_start.append(s)
         width = max(len(t) for t in tables)
-        table = torch.zeros((len(tables), width), dtype=torch.int32)
-        for i, row in enumerate(tables):
-            table[i, :len(row)] = torch.tensor(row, dtype=torch.int32)
+        upload = self._upload
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64).to(dev, non_blocking=True),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32).to(dev, non_blocking=True),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
-            block_tables=table.to(dev, non_blocking=True),
-            tile_seq=torch.tensor(tile_seq, dtype=torch.int32).to(dev, non_blocking=True),
-            tile_q_start=torch.tensor(tile_start, dtype=torch.int32).to(dev, non_blocking=True),
+            slot_mapping=upload(slots, torch.int64), query_start_loc=upload(starts, torch.int32),
+            seq_lens=upload(seq_lens, torch.int32),
+            block_tables=upload([row + [0] * (width - len(row)) for row in tables], torch.int32),
+            tile_seq=upload(tile_seq, torch.int32), tile_q_start=upload(tile_start, torch.int32),
             block_q=block_q, query_start_loc_cpu=starts, seq_lens_cpu=list(seq_lens))
-        hidden = self.model(torch.tensor(ids, dtype=torch.int64).to(dev, non_blocking=True),
-                            torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True),
-                            meta, self.kv_caches, self.cos_sin)
-        last = torch.tensor([s - 1 for s in starts[1:]], dtype=torch.int64).to(dev, non_blocking=True)
-        return self.model.compute_logits(hidden[last])
+        hidden = self.model(upload(ids, torch.int64), upload(positions, torch.int64), meta, self.kv_caches,
+                            self.cos_sin)
+        return self.model.compute_logits(hidden[upload([s - 1 for s in starts[1:]], torch.int64)])
+
+    def _upload(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        # From pinned memory the copy is asynchronous (a pageable one is staged by the driver while the host
+        # waits); torch's pinned allocator does not reuse the block before the copy is done.
+        host = torch.tensor(values, dtype=dtype, pin_memory=self.device.type == "cuda")
+        return host.to(self.device, non_blocking=True)

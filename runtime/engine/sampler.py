@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.engine.sampling_params import SamplingParams
 from runtime.engine.sequence import Sequence
 
 
@@ -28,6 +29,10 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
+        if all(_plain_greedy(s.params) for s in seqs):
+            # The argmax of bf16/fp16 logits is that of their (exact) fp32 values, first maximum on ties in
+            # both: no fp32 copy of the [B, vocab] logits, one kernel and one transfer.
+            return [SampledToken(t) for t in logits.argmax(dim=-1).tolist()]
         logits = logits.float()
         logprobs = torch.log_softmax(logits, dim=-1) if any(s.params.logprobs is not None for s in seqs) else None
         logits = self._apply_penalties(logits, seqs)
@@ -92,6 +97,12 @@ class Sampler:
             results[i].logprob = chosen[i]
             if n:
                 results[i].top = list(zip(top_ids[i, :n].tolist(), top_values[i, :n].tolist()))
+
+
+def _plain_greedy(params: SamplingParams) -> bool:
+    """Greedy, and nothing else reads or changes the logits (no penalties, no logprobs)."""
+    return (params.greedy and params.logprobs is None and params.repetition_penalty == 1.0
+            and not params.presence_penalty and not params.frequency_penalty)
 
 
 def _mask_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
