@@ -19,6 +19,7 @@ RESTORE = "restore"
 MODEL_SOURCE = "model_source"  # finding the model: a GGUF import on first use, an S3 layout's manifest
 TOKENIZER = "tokenizer"
 MODEL_STRUCTURE = "model_structure"
+KERNEL_PREP = "kernel_prep"  # Triton imported and its source key computed, before CUDA (in a process snapshot)
 CUDA_INIT = "cuda_init"
 WEIGHTS = "weights"
 KV_CACHE = "kv_cache"
@@ -27,7 +28,7 @@ READY = "ready"
 FIRST_TOKEN = "first_token"
 
 #: the order stages are printed and drawn in
-STAGE_ORDER = (RUNTIME_INIT, RESTORE, MODEL_SOURCE, TOKENIZER, MODEL_STRUCTURE, CUDA_INIT, WEIGHTS, KV_CACHE,
+STAGE_ORDER = (RUNTIME_INIT, RESTORE, MODEL_SOURCE, TOKENIZER, MODEL_STRUCTURE, KERNEL_PREP, CUDA_INIT, WEIGHTS, KV_CACHE,
                CUDA_GRAPHS, READY, FIRST_TOKEN)
 
 

@@ -57,15 +57,15 @@ def drop_cached_memory() -> None:
         empty_host_cache()
 
 
-def reload_released_weights(engine) -> tuple[object | None, dict]:
+def reload_released_weights(engine) -> thawed.WeightReload | None:
     """Right after a restore, map memory back under what the snapshot left out and start streaming the
-    weights into it: (the load, {"started": time, "remap_s": seconds}), or (None, {})."""
+    weights into it."""
     if engine.runner is None or not engine.runner.allocator.released:
-        return None, {}
+        return None
     started = time.time()
     engine.runner.allocator.remap()
     remap_s = time.time() - started
-    return engine.reload_weights(), {"started": started, "remap_s": round(remap_s, 4)}
+    return thawed.WeightReload(engine.reload_weights(), started, round(remap_s, 4))
 
 
 def park_stdio() -> None:
@@ -99,10 +99,10 @@ def main() -> int:
     received, conn = handoff.receive(listener)  # <- checkpointed here; everything below runs restored
     taken_over_at = time.time()
     os.environ["THAWLLM_SPAWN_TIME"] = repr(received.spawn_time)
-    if received.verify and engine.runner is not None and engine.runner.allocator.released:
-        engine.runner.allocator.remap()  # the bake checks the released addresses can be mapped again
-    weights, reload = (None, {}) if received.verify else reload_released_weights(engine)
-    thawed.current = thawed.Thawed(args.kind, engine, received, taken_over_at, weights, reload)
+    if received.verify and engine.runner is not None:
+        engine.runner.allocator.remap()  # the bake checks that released ranges map again (no-op if none)
+    weights = None if received.verify else reload_released_weights(engine)
+    thawed.current = thawed.Thawed(args.kind, engine, received, taken_over_at, weights)
     # As the init of its pid namespace this process ignores signals it has no handler for: until the server
     # installs its own (drain on SIGTERM), a SIGTERM forwarded by the bootstrap ends it.
     signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(128 + signum))

@@ -102,11 +102,12 @@ def restore_gpu(settings: Settings, timeline: Timeline) -> "Engine":
     engine = _restored_engine("gpu", timeline)
     current = thawed.current
     if current.weights is not None:
-        current.weights.wait()
-        detail = {"bytes": engine.plan.total_bytes, "after_restore": True, "remap_s": current.reload["remap_s"]}
-        if hasattr(current.weights, "tier_stats"):
-            detail["tiers"] = current.weights.tier_stats()
-        timeline.record(stages.WEIGHTS, current.reload["started"], time.time(), **detail)
+        reload = current.weights
+        reload.load.wait()
+        detail = {"bytes": engine.plan.total_bytes, "after_restore": True, "remap_s": reload.remap_s}
+        if hasattr(reload.load, "tier_stats"):
+            detail["tiers"] = reload.load.tier_stats()
+        timeline.record(stages.WEIGHTS, reload.started, time.time(), **detail)
         current.weights = None
     return engine
 

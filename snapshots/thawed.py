@@ -3,7 +3,7 @@ by the restore paths (snapshots/restore.py) when the bootstrap runs again inside
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from snapshots.handoff import Handoff
@@ -18,8 +18,14 @@ class Thawed:
     engine: "Engine"
     handoff: Handoff
     taken_over_at: float
-    weights: object | None = None  # gpu, weights left out of the image: their load, streaming since restore
-    reload: dict = field(default_factory=dict)  # when it started, how long mapping the memory back took
+    weights: "WeightReload | None" = None  # gpu, weights left out of the image: streaming since the restore
+
+
+@dataclass
+class WeightReload:
+    load: object     # the engine's WeightLoad (its wait() is the end)
+    started: float   # time.time() when memory was mapped back
+    remap_s: float   # how long mapping the released ranges again took
 
 
 #: None in every process but one restored from a snapshot

@@ -101,9 +101,10 @@ class Engine:
             model_config = ModelConfig.from_dir(model_dir)
             engine = cls(model_dir, model_config, tokenizer, config, load_weights, timeline,
                          model_name or model_dir.name)
-            if config.device == "cuda":
-                from runtime.engine.kernels import prepare_kernels
+        if config.device == "cuda":
+            from runtime.engine.kernels import prepare_kernels
 
+            with timeline.stage(stages.KERNEL_PREP):
                 prepare_kernels()
         if config.max_model_len and config.max_model_len > model_config.max_position_embeddings:
             raise InvalidParams("max_model_len", f"MAX_MODEL_LEN={config.max_model_len} is longer than the "
