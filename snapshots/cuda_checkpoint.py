@@ -61,6 +61,34 @@ def run_helper(action: str, pid: int, timeout: float = 600.0) -> float:
     return time.time() - started
 
 
+class RestoreHelper:
+    """The CUDA half of a gpu restore, in a helper started before CRIU runs: its Python start, imports and
+    cuInit (a few tenths of a second) overlap the CRIU restore, and `restore(pid)` costs only the driver's
+    work. `close()` stops a helper that was never given a pid (the CRIU restore failed)."""
+
+    def __init__(self) -> None:
+        self._proc = subprocess.Popen([sys.executable, "-m", "snapshots.cuda_checkpoint", "restore", "-"],
+                                      stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                      text=True)
+        self.restore_s = 0.0
+
+    def restore(self, pid: int, timeout: float = 600.0) -> None:
+        started = time.time()
+        try:
+            _, err = self._proc.communicate(f"{pid}\n", timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.close()
+            raise CudaCheckpointError(f"cuda restore of pid {pid} did not finish in {timeout:.0f} s") from None
+        if self._proc.returncode != 0:
+            raise CudaCheckpointError(f"cuda restore of pid {pid} failed: {err.strip()[-500:]}")
+        self.restore_s = time.time() - started
+
+    def close(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+
+
 def _init(driver) -> None:
     _check(driver, driver.cuInit(0), "cuInit")
 
@@ -75,10 +103,18 @@ def _check(driver, result: tuple, call: str) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="snapshots.cuda_checkpoint")
     parser.add_argument("action", choices=("checkpoint", "restore"))
-    parser.add_argument("pid", type=int)
+    parser.add_argument("pid", help="the process, or - to initialise CUDA first and then read it from stdin")
     args = parser.parse_args()
     try:
-        {"checkpoint": checkpoint, "restore": restore}[args.action](args.pid)
+        if args.pid == "-":
+            from cuda.bindings import driver
+
+            _init(driver)
+            line = sys.stdin.readline().strip()
+            if not line:  # the bootstrap gave up before there was a process to restore
+                sys.exit(0)
+            args.pid = line
+        {"checkpoint": checkpoint, "restore": restore}[args.action](int(args.pid))
     except CudaCheckpointError as exc:
         print(f"cuda_checkpoint: {exc}", file=sys.stderr)
         sys.exit(1)

@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from runtime.config import Settings
 from runtime.logs import get_logger
 from runtime.server.state import SkipPath
 from snapshots.image import SnapshotImage
 from snapshots.process import CriuHooks, bake_snapshot
+
+if TYPE_CHECKING:
+    from snapshots.cuda_checkpoint import RestoreHelper
 
 log = get_logger("snapshots.gpu")
 
@@ -27,7 +31,8 @@ GPU_CRIU_OPTIONS = ["--ext-unix-sk"]
 def gpu_hooks() -> CriuHooks:
     if importlib.util.find_spec("cuda.bindings") is None:
         raise SkipPath("cuda-bindings is not installed (the CUDA checkpoint API)")
-    return CriuHooks(before_dump=_checkpoint_cuda, after_restore=_restore_cuda, criu_options=GPU_CRIU_OPTIONS)
+    return CriuHooks(before_dump=_checkpoint_cuda, start_restore_helper=_start_cuda_restore,
+                     criu_options=GPU_CRIU_OPTIONS)
 
 
 def bake_gpu_snapshot(settings: Settings, model_dir: Path, snapshot_dir: Path,
@@ -50,7 +55,7 @@ def _checkpoint_cuda(pid: int) -> None:
     log.info("gpu snapshot: CUDA checkpoint of pid %d took %.2f s", pid, run_helper("checkpoint", pid))
 
 
-def _restore_cuda(pid: int) -> None:
-    from snapshots.cuda_checkpoint import run_helper
+def _start_cuda_restore() -> "RestoreHelper":
+    from snapshots.cuda_checkpoint import RestoreHelper
 
-    log.info("gpu snapshot: CUDA restore of pid %d took %.2f s", pid, run_helper("restore", pid))
+    return RestoreHelper()

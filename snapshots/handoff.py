@@ -35,6 +35,7 @@ class Handoff:
     argv: list[str] = field(default_factory=list)  # the bootstrap's flags, parsed again after restore
     skipped: dict[str, str] = field(default_factory=dict)
     verify: bool = False  # faas-build's check that the image restores: take over, answer, exit 0
+    restore_detail: dict[str, float] = field(default_factory=dict)  # seconds of CRIU's and CUDA's parts
 
 
 def socket_name(snapshot_id: str) -> str:

@@ -13,7 +13,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from runtime.config import Settings
 from runtime.logs import get_logger
@@ -23,6 +23,9 @@ from snapshots.checkpoint import SnapshotError
 from snapshots.criu import Criu, find_criu, restore_blockers
 from snapshots.fingerprint import current_fingerprint, resolved_device
 from snapshots.image import SnapshotImage, list_image_files
+
+if TYPE_CHECKING:
+    from snapshots.cuda_checkpoint import RestoreHelper
 
 log = get_logger("snapshots.process")
 
@@ -35,7 +38,8 @@ class CriuHooks:
     """What a kind of snapshot adds around CRIU (gpu: the CUDA checkpoint and restore)."""
 
     before_dump: Callable[[int], None] | None = None
-    after_restore: Callable[[int], None] | None = None
+    #: started before CRIU restores, so that its own start-up overlaps the restore; given the restored pid
+    start_restore_helper: Callable[[], "RestoreHelper"] | None = None
     criu_options: list[str] = field(default_factory=list)
 
 
@@ -112,9 +116,22 @@ def thaw(criu: Criu, directory: Path, image: SnapshotImage, message: handoff.Han
          hooks: CriuHooks) -> tuple[int, float]:
     """Restore and hand over; returns the running process's pid (our child) and the restore's seconds.
     Raises SnapshotError or HandoffError with nothing left running."""
-    pid, restore_s = checkpoint.restore(criu, directory, hooks.criu_options)
-    log.info("%s snapshot restored in %.3f s (pid %d); handing over", image.kind, restore_s, pid)
-    checkpoint.hand_over(pid, image.snapshot_id, message, HANDOFF_TIMEOUT_S, hooks.after_restore)
+    helper = hooks.start_restore_helper() if hooks.start_restore_helper is not None else None
+    try:
+        pid, restore_s = checkpoint.restore(criu, directory, hooks.criu_options)
+        log.info("%s snapshot: CRIU restored pid %d in %.3f s", image.kind, pid, restore_s)
+        message.restore_detail["criu_s"] = round(restore_s, 4)
+
+        def after_restore(pid: int) -> None:
+            helper.restore(pid)
+            message.restore_detail["cuda_s"] = round(helper.restore_s, 4)
+            log.info("%s snapshot: CUDA state of pid %d restored in %.3f s", image.kind, pid, helper.restore_s)
+
+        checkpoint.hand_over(pid, image.snapshot_id, message, HANDOFF_TIMEOUT_S,
+                             after_restore if helper is not None else None)
+    finally:
+        if helper is not None:
+            helper.close()
     return pid, restore_s
 
 

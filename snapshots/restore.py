@@ -160,7 +160,8 @@ def _restored_engine(kind: str, timeline: Timeline) -> "Engine":
         raise SkipPath(_skipped.get(kind, "SNAPSHOT_DIR is not set"))
     if current.kind != kind:
         raise SkipPath(current.handoff.skipped.get(kind, f"the {current.kind} snapshot was restored"))
-    timeline.record(stages.RESTORE, current.handoff.restore_started, current.taken_over_at, snapshot=kind)
+    timeline.record(stages.RESTORE, current.handoff.restore_started, current.taken_over_at, snapshot=kind,
+                    **current.handoff.restore_detail)
     current.engine.timeline = timeline
     return current.engine
 

@@ -77,7 +77,7 @@ def test_restored_runtime_serves_like_a_cold_start(process_snapshot, tiny_model_
                               headers={"Authorization": f"Bearer {BAKE_ONLY['API_KEY']}"})
         assert baked_key.status_code == 401
         log = server.log()
-        assert "process snapshot restored in" in log and "restore path process" in log  # on the new stderr
+        assert "process snapshot: CRIU restored pid" in log and "restore path process" in log  # on the new stderr
     finally:
         assert server.stop() == 0  # SIGTERM forwarded to the restored runtime, which drained and exited 0
 
