@@ -18,11 +18,12 @@ from typing import TYPE_CHECKING, Callable, Sequence
 from runtime import timeline as stages
 from runtime.config import ConfigError, Settings
 from runtime.logs import get_logger, setup_logging
-from runtime.server.state import AppState, SkipPath, StartedEngine
+from runtime.start_paths import SkipPath
 from runtime.timeline import Timeline
 
 if TYPE_CHECKING:
     from runtime.engine import Engine
+    from runtime.server.state import StartedEngine
 
 log = get_logger("bootstrap")
 
@@ -39,16 +40,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         settings = Settings.from_args(argv)
         check_model_ref(settings.model)
-        from runtime.server.handler import load_handler
-
-        handler = load_handler(settings.handler)
     except ConfigError as exc:
-        print(f"faas-bootstrap: {exc}", file=sys.stderr)
-        if lambda_api:
-            from runtime.server.lambda_runtime import LambdaError, report_init_error
-
-            report_init_error(lambda_api, LambdaError("Runtime.ConfigError", str(exc)))
-        return 2
+        return _config_error(exc, lambda_api)
     setup_logging(settings.log_level)
     if settings.restore in ("auto", "gpu", "process"):
         # A CRIU snapshot that fits is restored as a child, before listening: it listens and serves, and
@@ -58,10 +51,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         status = take_over(settings, argv)
         if status is not None:
             return status
+    try:
+        # After any restore: a bootstrap that restores a snapshot never needs the handler's imports
+        # (starlette's alone take a tenth of a second), and the restored runtime has them already.
+        from runtime.server.handler import load_handler
+
+        handler = load_handler(settings.handler)
+    except ConfigError as exc:
+        return _config_error(exc, lambda_api)
     _route_uvicorn_logs()
 
     from handlers import health
     from runtime.server.app import build_app
+    from runtime.server.state import AppState
 
     state = AppState(Timeline(), model_name=served_model_name(settings))
     app = build_app(state, [health.handler, handler], settings.api_key)
@@ -83,6 +85,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def start_engine(settings: Settings, timeline: Timeline) -> StartedEngine:
     """Choose and run a start path: the fastest restore path that can be taken here, else cold. A faster
     path that is missing, mismatched or fails is skipped with its reason; the cold path always works."""
+    from runtime.server.state import StartedEngine
+
     skipped: dict[str, str] = {}
     for name in FASTER_PATHS:
         if settings.restore not in ("auto", name):
@@ -144,6 +148,15 @@ def build_fresh(settings: Settings, timeline: Timeline) -> "Engine":
 
 
 # -- the model ---------------------------------------------------------------------------------------------
+
+def _config_error(exc: ConfigError, lambda_api: str | None) -> int:
+    print(f"faas-bootstrap: {exc}", file=sys.stderr)
+    if lambda_api:
+        from runtime.server.lambda_runtime import LambdaError, report_init_error
+
+        report_init_error(lambda_api, LambdaError("Runtime.ConfigError", str(exc)))
+    return 2
+
 
 def check_model_ref(model: str | None) -> None:
     """Fail before listening on a MODEL that cannot be right; what can only be known by loading (a

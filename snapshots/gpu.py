@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from runtime.config import Settings
 from runtime.logs import get_logger
-from runtime.server.state import SkipPath
+from runtime.start_paths import SkipPath
 from snapshots.image import SnapshotImage
 from snapshots.process import CriuHooks, bake_snapshot
 

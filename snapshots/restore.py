@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Callable
 from runtime import timeline as stages
 from runtime.config import Settings
 from runtime.logs import get_logger
-from runtime.server.state import SkipPath
+from runtime.start_paths import SkipPath
 from runtime.timeline import Timeline
 from snapshots import thawed
 from snapshots.criu import Criu, find_criu, restore_blockers

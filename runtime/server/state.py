@@ -15,20 +15,13 @@ from runtime import timeline as stages
 from runtime.server.engine_view import EngineView
 from runtime.server.errors import APIError, not_ready
 from runtime.server.metrics import ServerMetrics
+from runtime.start_paths import RESTORE_PATHS
 from runtime.timeline import Timeline
 
 if TYPE_CHECKING:  # the engine module imports torch; the server must not need it to start listening
     from runtime.engine import Engine
 
 Phase = Literal["starting", "ready", "draining", "failed"]
-
-#: the restore paths, fastest first (DESIGN.md, "Restore paths")
-RESTORE_PATHS = ("gpu", "process", "materialized", "cold")
-
-
-class SkipPath(Exception):
-    """A restore path cannot be taken on this machine (no snapshot, fingerprint mismatch...): fall back."""
-
 
 @dataclass(frozen=True)
 class StartedEngine:
