@@ -193,9 +193,6 @@ def bench_shape(shape: str, args, work: Path) -> dict:
     unverified = LoaderOptions(threads=args.threads, read_bytes=args.read_mb * MiB, verify=False)
     result["loader_nohash"] = warm_and_cold("loader_nohash", lambda: load_layout(layout, device, unverified), files,
                                             nbytes, device, args.repeat, False)
-    ring = LoaderOptions(threads=args.threads, read_bytes=args.read_mb * MiB, page_cache_dma=False)
-    result["loader_ring"] = warm_and_cold("loader_ring", lambda: load_layout(layout, device, ring), files,
-                                          nbytes, device, args.repeat, False)
     result["safetensors"] = warm_and_cold("safetensors", lambda: load_safetensors(model_dir, device), st_files,
                                           st_bytes, device, args.repeat, cold)
     if not args.no_transformers:
@@ -220,7 +217,7 @@ def bench_shape(shape: str, args, work: Path) -> dict:
 def table(results: list[dict]) -> str:
     by_hash = [f"loader_{h}" for h in HASHES]
     rows = [f"{'shape':<12} {'GiB':>6} | {'read lim':>14} {'h2d lim':>7} | "
-            + " ".join(f"{h:>12}" for h in HASHES) + f" {'no hash':>7} {'ring':>6} | {'safetensors':>14} "
+            + " ".join(f"{h:>12}" for h in HASHES) + f" {'no hash':>7} | {'safetensors':>14} "
             f"{'transformers':>12} | {'s3':>6} {'s3->cache':>9} | {'loader/limit':>12}"]
 
     def wc(row: dict | None) -> str:
@@ -234,13 +231,11 @@ def table(results: list[dict]) -> str:
         loader = r[f"loader_{DEFAULT_HASH}"]["warm_gib_s"]
         rows.append(f"{r['shape']:<12} {r['bytes'] / GiB:6.2f} | {wc(r['limit_read']):>14} "
                     f"{r['limit_h2d_gib_s'] or '-':>7} | " + " ".join(f"{wc(r.get(k)):>12}" for k in by_hash)
-                    + f" {r['loader_nohash']['warm_gib_s']:>7} {r['loader_ring']['warm_gib_s']:>6} | "
-                    f"{wc(r['safetensors']):>14} "
+                    + f" {r['loader_nohash']['warm_gib_s']:>7} | {wc(r['safetensors']):>14} "
                     f"{wc(r.get('transformers')):>12} | {s3.get('s3_gib_s', '-'):>6} "
                     f"{s3.get('disk_cache_gib_s', '-'):>9} | {loader / limit:12.0%}")
     return "\n".join(rows) + (f"\n(GiB/s, warm page cache / cold disk; the loader verifying with each chunk hash, and "
-                              f"without (warm); ring: {DEFAULT_HASH} through the pinned ring only, no page-cache DMA "
-                              f"(warm); loader/limit is {DEFAULT_HASH}'s warm against min(read, h2d))")
+                              f"without (warm); loader/limit is {DEFAULT_HASH}'s warm against min(read, h2d))")
 
 
 def main() -> None:

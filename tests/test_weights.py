@@ -211,25 +211,3 @@ def test_an_interrupted_build_leaves_nothing_and_a_killed_ones_leftovers_are_cle
     (dead / "weights-00000.bin").write_bytes(b"half")
     write_layout(tiny_model("tiny-qwen2"), str(tmp_path / "layout"), dtype="float32", progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["layout", "tmp"]
-
-
-def test_a_file_counts_as_in_the_page_cache_only_while_all_of_it_is(tmp_path):
-    from runtime.weights.page_cache import Mapping
-
-    path = tmp_path / "weights.bin"
-    path.write_bytes(os.urandom(16 << 20))
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # clean pages, so that the kernel may drop them when asked
-        mapping = Mapping(fd, path.stat().st_size)
-        assert mapping.resident()
-        assert bytes(mapping.view(1000, 16)) == path.read_bytes()[1000:1016]
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # the file leaves the page cache
-        assert not mapping.resident()
-        os.pread(fd, 1 << 20, 0)  # its first MiB comes back, not the rest
-        assert not mapping.resident()
-        os.pread(fd, 16 << 20, 0)
-        assert mapping.resident()
-        mapping.close()
-    finally:
-        os.close(fd)

@@ -21,7 +21,6 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -34,9 +33,6 @@ from runtime.weights.errors import WeightsError
 from runtime.weights.manifest import FileEntry, Manifest, chunk_hasher
 from runtime.weights.s3 import S3Store
 
-if TYPE_CHECKING:
-    from runtime.weights.page_cache import PageCacheDMA
-
 log = get_logger("weights.loader")
 
 MiB = 1 << 20
@@ -48,7 +44,6 @@ class LoaderOptions:
     read_bytes: int = 16 * MiB  # one preadv / ranged GET; one pinned slot
     slots_per_thread: int = 2  # read the next piece while the last one is copied
     verify: bool = True  # hash every chunk; off only to measure what it costs (scripts/bench_weights.py)
-    page_cache_dma: bool = True  # files wholly in the page cache are copied from it (runtime/weights/page_cache.py)
 
     def reader_threads(self, n_chunks: int) -> int:
         auto = min(16, os.cpu_count() or 4)
@@ -121,7 +116,6 @@ class WeightStream:
             self._ready_to_write = torch.cuda.Event()
             self._ready_to_write.record(torch.cuda.current_stream(buffer.device))
         self._host = None if self._cuda else memoryview(buffer.numpy())
-        self._dma = self._page_cache_dma() if self._cuda and options.page_cache_dma else None
         self._threads = [threading.Thread(target=self._reader, name=f"weights-reader-{i}", daemon=True)
                          for i in range(options.reader_threads(len(self.chunks)))]
         self._finished = False
@@ -151,8 +145,6 @@ class WeightStream:
             self._raise_if_failed()
             return self
         self._finished = True
-        if self._dma is not None:
-            self._dma.close()
         for source in self.sources:  # cache files are renamed into place only if every chunk was verified
             source.close(self._error is None)
         self._raise_if_failed()
@@ -167,28 +159,16 @@ class WeightStream:
 
     # -- the readers -------------------------------------------------------------------------------
 
-    def _page_cache_dma(self) -> "PageCacheDMA | None":
-        from runtime.weights.page_cache import PageCacheDMA
-        from runtime.weights.sources import LocalFile
-
-        # a file of another size than the manifest's is left to the reads, which report it truncated
-        local = {i: (s.fd, s.size) for i, s in enumerate(self.sources)
-                 if isinstance(s, LocalFile) and s.size == self.manifest.files[i].size}
-        if not local:
-            return None
-        chunks = [(c.file, c.offset, c.length, c.buffer_offset) for c in self.chunks]
-        return PageCacheDMA.for_resident(local, chunks, self.buffer, self._ready_to_write)
-
     def _reader(self) -> None:
         try:
-            self._local.slots = None  # made on first use: a load that is all page-cache DMA needs none
+            slots = self._pinned_slots()
             turn = 0
             while self._error is None:
                 try:
                     i = self._todo.get_nowait()
                 except queue.Empty:
                     return
-                turn = self._load_chunk(i, turn)
+                turn = self._load_chunk(i, slots, turn)
         except BaseException as exc:  # noqa: BLE001 - handed to wait()
             with self._lock:
                 self._error = self._error or exc
@@ -207,20 +187,11 @@ class WeightStream:
         return [(host[k * size:(k + 1) * size], view[k * size:(k + 1) * size], [None])
                 for k in range(self.options.slots_per_thread)]
 
-    def _load_chunk(self, i: int, turn: int) -> int:
+    def _load_chunk(self, i: int, slots: list, turn: int) -> int:
         chunk = self.chunks[i]
         source = self.sources[chunk.file]
         digest = chunk_hasher(self.manifest.hash) if self.options.verify else None
         start = time.time()
-        if self._dma is not None and self._dma.handles(chunk.file):
-            if digest is not None:
-                digest.update(self._dma.view(chunk.file, chunk.offset, chunk.length))
-            event = self._dma.copy_event(i)
-            if event is not None:
-                self._copied[i].append(event)
-                self._chunk_done(i, digest, "page_cache", start)
-                return turn
-            digest = chunk_hasher(self.manifest.hash) if self.options.verify else None
         for off in range(0, chunk.length, self.options.read_bytes):
             n = min(self.options.read_bytes, chunk.length - off)
             dst = chunk.buffer_offset + off
@@ -229,9 +200,6 @@ class WeightStream:
                 source.read_into(chunk.offset + off, piece)
                 digest and digest.update(piece)
                 continue
-            if self._local.slots is None:
-                self._local.slots = self._pinned_slots()
-            slots = self._local.slots
             host, view, pending = slots[turn % len(slots)]
             turn += 1
             if pending[0] is not None:
@@ -244,20 +212,16 @@ class WeightStream:
                 pending[0] = torch.cuda.Event()
                 pending[0].record(stream)
             self._copied[i].append(pending[0])
-        self._chunk_done(i, digest, source.tier, start)
-        return turn
-
-    def _chunk_done(self, i: int, digest, tier: str, start: float) -> None:
-        chunk = self.chunks[i]
         if digest is not None and digest.hexdigest() != chunk.digest:
             entry: FileEntry = self.manifest.files[chunk.file]
             raise WeightsError(f"{self.where}: {entry.name} chunk {chunk.index} (bytes {chunk.offset}-"
                                f"{chunk.offset + chunk.length}) fails its {self.manifest.hash} check: the layout is "
                                "corrupt or was changed after it was built")
-        self.sources[chunk.file].chunk_verified(chunk.index)
+        source.chunk_verified(chunk.index)
         with self._lock:
-            self._stats.setdefault(tier, TierStats()).add(chunk.length, start, time.time())
+            self._stats.setdefault(source.tier, TierStats()).add(chunk.length, start, time.time())
         self._landed[i].set()
+        return turn
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:

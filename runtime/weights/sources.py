@@ -21,11 +21,8 @@ class LocalFile:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._fd = os.open(path, os.O_RDONLY)
-        self.size = os.fstat(self._fd).st_size
-
-    @property
-    def fd(self) -> int:
-        return self._fd
+        size = os.fstat(self._fd).st_size
+        self.size = size
 
     def read_into(self, offset: int, out: memoryview) -> None:
         got = 0
