@@ -48,10 +48,10 @@ def test_relocation_analysis_reproduces_the_gpu_side_table():
     for bs, node in kernel_nodes(graph_set):
         index = RegionIndex(regions_at_capture(bs))
         buffer = params[node.params_offset:node.params_offset + node.params_size]
-        assert index.relocations(buffer) == node.relocations, node.name
+        assert index.relocations(buffer) == graph_set.node_relocations(node), node.name
     # the cuBLAS GEMMs keep device pointers inside one packed struct: all of them are found
     gemm = next(n for _, n in kernel_nodes(graph_set) if n.name.startswith("nvjet"))
-    assert gemm.params_size == 1720 and len(gemm.relocations) >= 6
+    assert gemm.params_size == 1720 and len(graph_set.node_relocations(gemm)) >= 6
 
 
 def test_patching_moves_every_pointer_and_nothing_else():
@@ -59,26 +59,32 @@ def test_patching_moves_every_pointer_and_nothing_else():
     regions = {(r.kind, r.index): r for bs in (1, 2) for r in regions_at_capture(bs)}
     # a new process: every region somewhere else
     bases = {key: 0x7A00_0000_0000 + i * 0x10_0000_0000 for i, key in enumerate(sorted(regions))}
-    patched = patch_parameters(params, graph_set.graphs, bases).tobytes()
+    patched = patch_parameters(params, graph_set.relocations, bases).tobytes()
     old_words = np.frombuffer(params, dtype=np.uint64)
     new_words = np.frombuffer(patched, dtype=np.uint64)
     moved = set()
     for _, node in kernel_nodes(graph_set):
-        for r in node.relocations:
+        for r in graph_set.node_relocations(node):
             word = (node.params_offset + r.offset) // 8
             moved.add(word)
             assert int(new_words[word]) == bases[(r.kind, r.index)] + r.delta
             assert int(old_words[word]) == regions[(r.kind, r.index)].start + r.delta
     untouched = [i for i in range(len(old_words)) if i not in moved]
     assert np.array_equal(old_words[untouched], new_words[untouched])
+    assert len(moved) == len(graph_set.relocations)
+    first = graph_set.node_relocations(kernel_nodes(graph_set)[0][1])[0]
+    del bases[(first.kind, first.index)]  # a region this process has no address for: refused, not guessed
+    with pytest.raises(KeyError, match="no address for region"):
+        patch_parameters(params, graph_set.relocations, bases)
 
 
 def test_an_address_freed_and_reused_belongs_to_its_owner_at_capture_time():
     graph_set, params = GraphSet.load(FIXTURE)
     pool = next(r for r in regions_at_capture(1) if r.kind == SEGMENT and
                 any(rel.kind == SEGMENT and rel.index == r.index for _, n in kernel_nodes(graph_set)
-                    for rel in n.relocations))
-    node = next(n for _, n in kernel_nodes(graph_set) if any(r.index == pool.index for r in n.relocations))
+                    for rel in graph_set.node_relocations(n)))
+    node = next(n for _, n in kernel_nodes(graph_set)
+                if any(r.index == pool.index for r in graph_set.node_relocations(n)))
     buffer = params[node.params_offset:node.params_offset + node.params_size]
 
     timeline = RegionTimeline()

@@ -23,8 +23,10 @@ class Description:
     functions: dict[str, set[int]] = field(default_factory=dict)  # kernel name -> the handles seen for it
 
 
-def describe_graph(graph: int, batch_size: int, regions: RegionIndex, blob: bytearray) -> Description:
-    """Append the graph's parameter buffers to `blob` and return its nodes in topological order."""
+def describe_graph(graph: int, batch_size: int, regions: RegionIndex, blob: bytearray,
+                   relocations: list[tuple[int, Relocation]]) -> Description:
+    """Append the graph's parameter buffers to `blob`, and their relocations (with the buffer's offset in
+    `blob`) to `relocations`; return its nodes in topological order."""
     handles = topological_order(graph)
     position = {h: i for i, h in enumerate(handles)}
     nodes: list[Node] = []
@@ -35,7 +37,7 @@ def describe_graph(graph: int, batch_size: int, regions: RegionIndex, blob: byte
         deps = [position[d] for d, _ in incoming]
         kind = cu.node_type(handle)
         if kind == cu.NODE_KERNEL:
-            node, func = _kernel_node(handle, deps, regions, blob, problems)
+            node, func = _kernel_node(handle, deps, regions, blob, relocations, problems)
             functions.setdefault(node.name, set()).add(func)
         elif kind == cu.NODE_MEMSET:
             node = _memset_node(handle, deps, regions, problems)
@@ -99,12 +101,11 @@ def parameter_buffer(params: cu.KernelNodeParams, func: int) -> bytes:
 
 
 def _kernel_node(handle: int, deps: list[int], regions: RegionIndex, blob: bytearray,
-                 problems: list[str]) -> tuple[KernelNode, int]:
+                 relocations: list[tuple[int, Relocation]], problems: list[str]) -> tuple[KernelNode, int]:
     params = cu.kernel_node_params(handle)
     func = kernel_function(params)
     name = cu.function_name(func)
     buffer = parameter_buffer(params, func)
-    relocations = regions.relocations(buffer)
     for offset, value in regions.unmatched_words(buffer):
         if cu.device_range(value) is not None:
             problems.append(f"{name[:60]}: parameter word at byte {offset} points to device memory the engine "
@@ -117,9 +118,10 @@ def _kernel_node(handle: int, deps: list[int], regions: RegionIndex, blob: bytea
     offset = len(blob)
     blob.extend(buffer)
     blob.extend(b"\0" * (-len(blob) % 8))
+    relocations.extend((offset, r) for r in regions.relocations(buffer))
     node = KernelNode(name, (params.gridDimX, params.gridDimY, params.gridDimZ),
                       (params.blockDimX, params.blockDimY, params.blockDimZ), params.sharedMemBytes,
-                      offset, len(buffer), relocations, attributes, deps)
+                      offset, len(buffer), attributes, deps)
     return node, func
 
 

@@ -14,7 +14,8 @@ import torch
 from runtime.engine.model_runner import ModelRunner
 from snapshots.cudagraph import driver as cu
 from snapshots.cudagraph.describe import describe_graph
-from snapshots.cudagraph.records import ALLOC, SEGMENT, GraphRecord, GraphSet, KernelNode, MemsetNode, SegmentRecord
+from snapshots.cudagraph.records import (ALLOC, SEGMENT, GraphRecord, GraphSet, KernelNode, MemsetNode, Relocation,
+                                        RelocationTable, SegmentRecord)
 from snapshots.cudagraph.relocate import Region, RegionIndex, RegionTimeline
 
 #: scratch segments other than the graph pool are saved when a graph points into them, up to this size
@@ -67,11 +68,12 @@ def capture_and_describe(runner: ModelRunner) -> Materialized:
 
     runner.capture_graphs(keep_graphs=True, on_captured=captured)
     blob = bytearray()
+    relocations: list[tuple[int, Relocation]] = []
     records: list[GraphRecord] = []
     problems: dict[int, list[str]] = {}
     functions: dict[str, set[int]] = {}
     for bs in sorted(runner.graphs):
-        description = describe_graph(runner.graphs[bs].raw_cuda_graph(), bs, indexes[bs], blob)
+        description = describe_graph(runner.graphs[bs].raw_cuda_graph(), bs, indexes[bs], blob, relocations)
         records.append(description.record)
         for name, funcs in description.functions.items():
             functions.setdefault(name, set()).update(funcs)
@@ -83,20 +85,19 @@ def capture_and_describe(runner: ModelRunner) -> Materialized:
         if clash:
             problems.setdefault(record.batch_size, []).append(
                 f"kernel name {clash[0][:60]} belongs to {len(functions[clash[0]])} different functions")
-    segment_records, contents = _referenced_segments(records, segments, runner.graph_pool)
+    table = RelocationTable.of(relocations)
+    segment_records, contents = _referenced_segments(records, table, segments, runner.graph_pool)
     names = sorted({n.name for r in records for n in r.nodes if isinstance(n, KernelNode)})
-    graph_set = GraphSet([(a.name, a.nbytes) for a in runner.allocator.log], segment_records, records, names)
+    graph_set = GraphSet([(a.name, a.nbytes) for a in runner.allocator.log], segment_records, records, names, table)
     return Materialized(graph_set, bytes(blob), contents, problems, regions)
 
 
-def _referenced_segments(records: list[GraphRecord], segments: SegmentTracker,
+def _referenced_segments(records: list[GraphRecord], table: RelocationTable, segments: SegmentTracker,
                          pool: object) -> tuple[list[SegmentRecord], dict[int, bytes]]:
-    used: set[int] = set()
+    used = table.regions(SEGMENT)
     for record in records:
         for node in record.nodes:
-            if isinstance(node, KernelNode):
-                used.update(r.index for r in node.relocations if r.kind == SEGMENT)
-            elif isinstance(node, MemsetNode) and node.dst.kind == SEGMENT:
+            if isinstance(node, MemsetNode) and node.dst.kind == SEGMENT:
                 used.add(node.dst.index)
     out, contents = [], {}
     for ordinal in sorted(used):

@@ -1,10 +1,13 @@
 """The materialised form of the decode CUDA graphs: what is written at bake time and read at boot.
 
 A graph is a list of nodes in topological order. A kernel node keeps its function's name (handles differ per
-process), launch shape, launch attributes and its raw parameter buffer; every pointer-sized word of that
-buffer that pointed into device memory is listed as a relocation: which region (an engine allocation, by
-its index in the allocation log, or a scratch segment such as the graph pool) and the offset inside it.
-On disk: `graphs.json` (structure) and `params.bin` (all parameter buffers, 8-byte aligned).
+process), launch shape, launch attributes and where its raw parameter buffer lies in params.bin; every
+pointer-sized word of those buffers that pointed into device memory is a row of the relocation table: which
+region (an engine allocation, by its index in the allocation log, or a scratch segment such as the graph
+pool) and the offset inside it.
+On disk: `graphs.json` (structure), `params.bin` (all parameter buffers, 8-byte aligned) and
+`relocations.npy` (the table as columns: a 35-graph set has some 200,000 relocations, which as JSON objects
+took longer to read at boot than everything else in the file).
 """
 
 from __future__ import annotations
@@ -13,9 +16,10 @@ import base64
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
 import orjson
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 
 ALLOC = "alloc"      # an engine allocation (runtime/engine/allocator.py), by log index
 SEGMENT = "segment"  # a scratch segment of the torch allocator (graph pool, library workspaces), by ordinal
@@ -29,6 +33,39 @@ class Relocation:
     delta: int    # offset inside the region
 
 
+KINDS = (ALLOC, SEGMENT)
+_ROW = np.dtype([("word", "<i8"), ("kind", "u1"), ("index", "<i4"), ("delta", "<i8")])
+
+
+class RelocationTable:
+    """Every relocated parameter word of a graph set, in params.bin order: `word` is the word's index in
+    params.bin (byte offset / 8), `kind` an index into KINDS."""
+
+    def __init__(self, rows: np.ndarray | None = None) -> None:
+        self.rows = np.zeros(0, dtype=_ROW) if rows is None else rows
+
+    @classmethod
+    def of(cls, entries: list[tuple[int, Relocation]]) -> "RelocationTable":
+        """From (byte offset of the parameter buffer in params.bin, relocation) pairs."""
+        rows = np.array([((start + r.offset) // 8, KINDS.index(r.kind), r.index, r.delta) for start, r in entries],
+                        dtype=_ROW)
+        return cls(rows[np.argsort(rows["word"], kind="stable")])
+
+    def within(self, start: int, size: int) -> list[Relocation]:
+        """The relocations of the parameter buffer at bytes [start, start + size) of params.bin."""
+        lo, hi = np.searchsorted(self.rows["word"], [start // 8, (start + size) // 8])
+        return [Relocation(int(w) * 8 - start, KINDS[k], int(i), int(d)) for w, k, i, d in self.rows[lo:hi].tolist()]
+
+    def regions(self, kind: str) -> set[int]:
+        return set(self.rows["index"][self.rows["kind"] == KINDS.index(kind)].tolist())
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RelocationTable) and np.array_equal(self.rows, other.rows)
+
+
 @dataclass
 class KernelNode:
     name: str
@@ -37,7 +74,6 @@ class KernelNode:
     shared_mem: int
     params_offset: int            # where its parameter buffer starts in params.bin
     params_size: int
-    relocations: list[Relocation]
     attributes: dict[int, str] = field(default_factory=dict)  # launch attribute id -> base64 of 64 raw bytes
     deps: list[int] = field(default_factory=list)
     edges: list[tuple[int, int, int]] | None = None  # (from_port, to_port, type) per dep, when not all default
@@ -89,12 +125,20 @@ class GraphSet:
     segments: list[SegmentRecord]
     graphs: list[GraphRecord]
     kernel_names: list[str]
+    relocations: RelocationTable = field(default_factory=RelocationTable)
     version: int = FORMAT_VERSION
+
+    def node_relocations(self, node: KernelNode) -> list[Relocation]:
+        return self.relocations.within(node.params_offset, node.params_size)
 
     def save(self, directory: Path, params: bytes) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         (directory / "params.bin").write_bytes(params)
-        (directory / "graphs.json").write_bytes(orjson.dumps(asdict(self), option=orjson.OPT_NON_STR_KEYS))
+        np.save(directory / "relocations.npy", self.relocations.rows, allow_pickle=False)
+        structure = {"allocations": self.allocations, "segments": [asdict(x) for x in self.segments],
+                     "graphs": [asdict(g) for g in self.graphs], "kernel_names": self.kernel_names,
+                     "version": self.version}
+        (directory / "graphs.json").write_bytes(orjson.dumps(structure, option=orjson.OPT_NON_STR_KEYS))
 
     @classmethod
     def load(cls, directory: Path) -> tuple["GraphSet", bytes]:
@@ -104,7 +148,11 @@ class GraphSet:
         graphs = [GraphRecord(g["batch_size"], [_node(n) for n in g["nodes"]]) for g in raw["graphs"]]
         segments = [SegmentRecord(**s) for s in raw["segments"]]
         allocations = [tuple(a) for a in raw["allocations"]]
-        return cls(allocations, segments, graphs, raw["kernel_names"]), (directory / "params.bin").read_bytes()
+        rows = np.load(directory / "relocations.npy", allow_pickle=False)
+        if rows.dtype != _ROW:
+            raise ValueError(f"relocations.npy holds {rows.dtype}, not {_ROW}")
+        graph_set = cls(allocations, segments, graphs, raw["kernel_names"], RelocationTable(rows))
+        return graph_set, (directory / "params.bin").read_bytes()
 
 
 def _node(raw: dict) -> Node:
@@ -112,7 +160,6 @@ def _node(raw: dict) -> Node:
     if raw.get("edges") is not None:
         raw["edges"] = [tuple(e) for e in raw["edges"]]
     if kind == "kernel":
-        raw["relocations"] = [Relocation(**r) for r in raw["relocations"]]
         raw["attributes"] = {int(k): v for k, v in raw["attributes"].items()}
         raw["grid"], raw["block"] = tuple(raw["grid"]), tuple(raw["block"])
         return KernelNode(**raw)

@@ -19,8 +19,8 @@ from runtime.engine.model_runner import ModelRunner
 from runtime.logs import get_logger
 from snapshots.cudagraph import driver as cu
 from snapshots.cudagraph.kernels import resolve_kernels
-from snapshots.cudagraph.records import (ALLOC, SEGMENT, EmptyNode, GraphRecord, GraphSet, KernelNode,
-                                         MemsetNode, Relocation, decode_attribute)
+from snapshots.cudagraph.records import (ALLOC, KINDS, SEGMENT, EmptyNode, GraphRecord, GraphSet, KernelNode,
+                                         MemsetNode, Relocation, RelocationTable, decode_attribute)
 
 log = get_logger("snapshots.cudagraph")
 
@@ -64,7 +64,7 @@ class MaterializedGraphs:
                 cu.copy_to_device(memory.data_ptr(), (self.directory / segment.contents).read_bytes())
             self.segments.append(memory)
             bases[(SEGMENT, segment.ordinal)] = memory.data_ptr()
-        blob = patch_parameters(params, wanted, bases)
+        blob = patch_parameters(params, graph_set.relocations, bases)
         t1 = time.perf_counter()
         handles = resolve_kernels(runner, trigger_batch_sizes(wanted), set(graph_set.kernel_names))
         t2 = time.perf_counter()
@@ -107,19 +107,23 @@ def allocation_mismatch(graph_set: GraphSet, runner: ModelRunner) -> str | None:
     return None
 
 
-def patch_parameters(params: bytes, graphs: list[GraphRecord], bases: dict[tuple[str, int], int]) -> np.ndarray:
-    """A copy of params.bin with every relocated word rewritten to this process's address."""
+def patch_parameters(params: bytes, relocations: RelocationTable, bases: dict[tuple[str, int], int]) -> np.ndarray:
+    """A copy of params.bin with every relocated word rewritten to this process's address (one vectorised
+    pass: a base per region, looked up by (kind, index), plus each word's offset inside it)."""
     blob = np.frombuffer(params, dtype=np.uint8).copy()
-    words = blob.view(np.uint64)
-    offsets, values = [], []
-    for record in graphs:
-        for node in record.nodes:
-            if isinstance(node, KernelNode):
-                for r in node.relocations:
-                    offsets.append((node.params_offset + r.offset) // 8)
-                    values.append(bases[(r.kind, r.index)] + r.delta)
-    if offsets:
-        words[np.array(offsets, dtype=np.int64)] = np.array(values, dtype=np.uint64)
+    rows = relocations.rows
+    if not len(rows):
+        return blob
+    width = max(int(rows["index"].max()), max(i for _, i in bases)) + 1
+    base = np.zeros((len(KINDS), width), dtype=np.uint64)
+    known = np.zeros((len(KINDS), width), dtype=bool)
+    for (kind, index), address in bases.items():
+        if index >= 0:
+            base[KINDS.index(kind), index], known[KINDS.index(kind), index] = address, True
+    if not known[rows["kind"], rows["index"]].all():
+        missing = rows[~known[rows["kind"], rows["index"]]][0]
+        raise KeyError(f"no address for region {KINDS[missing['kind']]} {missing['index']}")
+    blob.view(np.uint64)[rows["word"]] = base[rows["kind"], rows["index"]] + rows["delta"].astype(np.uint64)
     return blob
 
 
