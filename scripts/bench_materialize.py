@@ -2,7 +2,8 @@
 
 For each model shape: bake the materialised state once, then start the engine in fresh processes, cold (load
 the weights, profiling forward, capture 35 graphs) and materialised (recorded KV size, graphs rebuilt from
-their description while the weights stream), N times each. Prints the median of each stage and of the whole
+their description while the weights stream), N times each. The weights come from a faas-build layout
+(built once from the random model) through the pipelined loader. Prints the median of each stage and of the whole
 loading phase (engine start: CUDA init to ready), and writes JSON.
 
     python scripts/bench_materialize.py --shapes qwen2-1.5b llama-3-8b --repeat 3 --work /tmp/bench
@@ -54,7 +55,13 @@ def bench_shape(shape: str, work: Path, repeat: int) -> dict:
     from scripts.model_shapes import make_random_model_dir
     from snapshots.materialized import bake_materialized
 
-    model_dir = make_random_model_dir(work / shape, shape)
+    from runtime.weights.layout import write_layout
+
+    # the engine loads a faas-build layout through the pipelined loader, as a function does
+    model_dir = work / f"{shape}-layout"
+    if not (model_dir / "manifest.json").exists():
+        write_layout(str(make_random_model_dir(work / shape, shape)), str(model_dir), dtype="bfloat16",
+                     progress=False)
     snapshot_dir = work / f"{shape}-snapshot"
     snapshot_dir.mkdir(exist_ok=True)
     t = time.perf_counter()
