@@ -3,8 +3,8 @@
 For each model shape: bake the materialised state once, then start the engine in fresh processes, cold (load
 the weights, profiling forward, capture 35 graphs) and materialised (recorded KV size, graphs rebuilt from
 their description while the weights stream), N times each. The weights come from a faas-build layout
-(built once from the random model) through the pipelined loader. Prints the median of each stage and of the whole
-loading phase (engine start: CUDA init to ready), and writes JSON.
+(built once from the random model) through the pipelined loader. Prints the median of each stage and of the
+whole loading phase (engine start: CUDA init to ready), and writes JSON.
 
     python scripts/bench_materialize.py --shapes qwen2-1.5b llama-3-8b --repeat 3 --work /tmp/bench
 """
@@ -52,10 +52,9 @@ def run_child(mode: str, model_dir: Path, snapshot: Path) -> dict:
 
 
 def bench_shape(shape: str, work: Path, repeat: int) -> dict:
+    from runtime.weights.layout import write_layout
     from scripts.model_shapes import make_random_model_dir
     from snapshots.materialized import bake_materialized
-
-    from runtime.weights.layout import write_layout
 
     # the engine loads a faas-build layout through the pipelined loader, as a function does
     model_dir = work / f"{shape}-layout"

@@ -70,9 +70,9 @@ class RestoreHelper:
         self._proc = subprocess.Popen([sys.executable, "-m", "snapshots.cuda_checkpoint", "restore", "-"],
                                       stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                       text=True)
-        self.restore_s = 0.0
 
-    def restore(self, pid: int, timeout: float = 600.0) -> None:
+    def restore(self, pid: int, timeout: float = 600.0) -> float:
+        """Restore and unlock PID's CUDA state; returns the seconds it took."""
         started = time.time()
         try:
             _, err = self._proc.communicate(f"{pid}\n", timeout=timeout)
@@ -81,7 +81,7 @@ class RestoreHelper:
             raise CudaCheckpointError(f"cuda restore of pid {pid} did not finish in {timeout:.0f} s") from None
         if self._proc.returncode != 0:
             raise CudaCheckpointError(f"cuda restore of pid {pid} failed: {err.strip()[-500:]}")
-        self.restore_s = time.time() - started
+        return time.time() - started
 
     def close(self) -> None:
         if self._proc.poll() is None:

@@ -123,9 +123,9 @@ def thaw(criu: Criu, directory: Path, image: SnapshotImage, message: handoff.Han
         message.restore_detail["criu_s"] = round(restore_s, 4)
 
         def after_restore(pid: int) -> None:
-            helper.restore(pid)
-            message.restore_detail["cuda_s"] = round(helper.restore_s, 4)
-            log.info("%s snapshot: CUDA state of pid %d restored in %.3f s", image.kind, pid, helper.restore_s)
+            cuda_s = helper.restore(pid)
+            message.restore_detail["cuda_s"] = round(cuda_s, 4)
+            log.info("%s snapshot: CUDA state of pid %d restored in %.3f s", image.kind, pid, cuda_s)
 
         checkpoint.hand_over(pid, image.snapshot_id, message, HANDOFF_TIMEOUT_S,
                              after_restore if helper is not None else None)
