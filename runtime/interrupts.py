@@ -6,7 +6,8 @@ main thread waits in a system call (a recv() from an S3 endpoint that never answ
 run until that call returned, minutes later. So a watcher thread learns of every signal through the wakeup
 fd and pokes the main thread with SIGUSR1 (whose handler does nothing): the interrupted call returns EINTR,
 CPython runs the pending handlers, and the SIGTERM handler raises KeyboardInterrupt (once: a second signal
-must not interrupt the clean-up the first one started).
+must not interrupt the clean-up the first one started). A poke that lands just before the main thread enters
+its system call interrupts nothing, so the watcher pokes again every 50 ms until the handler has run.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ def sigterm_interrupts_main() -> None:
         while True:
             signums = os.read(read_end, 64)
             if any(s in (signal.SIGTERM, signal.SIGINT) for s in signums):
-                signal.pthread_kill(main, _POKE)
+                while not raised.is_set():
+                    signal.pthread_kill(main, _POKE)
+                    raised.wait(0.05)
 
     threading.Thread(target=watch, name="signal-watcher", daemon=True).start()
