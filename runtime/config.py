@@ -117,6 +117,9 @@ class Settings:
     gpu_memory_utilization: float = _setting(
         "GPU_MEMORY_UTILIZATION", _fraction, 0.90, "share of GPU memory the engine may use")
     enforce_eager: bool = _setting("ENFORCE_EAGER", _bool, False, "never use CUDA graphs")
+    async_scheduling: bool = _setting(
+        "ASYNC_SCHEDULING", _bool, True,
+        "launch each decode step before reading the last one's tokens (off: one step at a time)")
     gpu_snapshot_weights: str = _setting(
         "GPU_SNAPSHOT_WEIGHTS", _choice("stream", "image"), "stream",
         "faas-build gpu snapshots: stream (weights and KV cache left out of the image, weights streamed back "

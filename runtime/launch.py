@@ -30,7 +30,8 @@ def engine_config(settings: Settings, device: str | None = None) -> EngineConfig
         device=device, dtype=dtype, max_model_len=settings.max_model_len,
         max_num_seqs=settings.max_num_seqs or (256 if device == "cuda" else 16),
         max_num_batched_tokens=settings.max_num_batched_tokens or 8192,
-        gpu_memory_utilization=settings.gpu_memory_utilization, enforce_eager=settings.enforce_eager)
+        gpu_memory_utilization=settings.gpu_memory_utilization, enforce_eager=settings.enforce_eager,
+        async_scheduling=settings.async_scheduling)
 
 
 def build_engine(model_dir: Path, config: EngineConfig, timeline: Timeline | None = None,

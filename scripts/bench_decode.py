@@ -1,5 +1,8 @@
 """Decode throughput on the GPU: the engine with and without CUDA graphs, beside transformers' generate.
 
+The engine runs with async scheduling (each step launched before the last one's tokens are read), and its
+CUDA-graph rate is also measured one step at a time (ASYNC_SCHEDULING=0), in the same run.
+
 For each model shape (random bf16 weights of the real shape; the same weights in both), for each batch
 size: steady-state decode tokens/s, and for batch 1 the step time against the HBM roofline (weight bytes /
 3.35 TB/s on an H100 SXM) and beside the GPU time of one replay of the batch-1 graph: the difference is what
@@ -12,6 +15,7 @@ and writes JSON.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import asyncio
 import json
 import statistics
@@ -113,6 +117,9 @@ def bench_shape(name: str, batches: list[int], steps: int) -> list[dict]:
         torch.cuda.empty_cache()
         weight_bytes = engine.plan.total_bytes
         graphs = {b: engine_decode_rate(engine, b, steps) for b in batches}
+        engine.config = dataclasses.replace(engine.config, async_scheduling=False)  # read by every step
+        graphs_sync = {b: engine_decode_rate(engine, b, steps) for b in batches}
+        engine.config = dataclasses.replace(engine.config, async_scheduling=True)
         replay_ms = graph_replay_ms(engine) if 1 in batches else None
         runner = engine.runner
         sizes, runner.graph_batch_sizes = runner.graph_batch_sizes, []
@@ -120,12 +127,14 @@ def bench_shape(name: str, batches: list[int], steps: int) -> list[dict]:
         runner.graph_batch_sizes = sizes
         engine.shutdown()
         for b in batches:
-            row = {"shape": name, "batch": b, "graphs_tok_s": graphs[b], "eager_tok_s": eager[b],
+            row = {"shape": name, "batch": b, "graphs_tok_s": graphs[b], "graphs_sync_tok_s": graphs_sync[b],
+                   "eager_tok_s": eager[b],
                    "transformers_tok_s": hf_rates[b], "graphs_vs_eager": graphs[b] / eager[b],
                    "graphs_vs_transformers": graphs[b] / hf_rates[b]}
             if b == 1:
                 roofline_s = weight_bytes / HBM_BYTES_PER_S
                 row["step_ms"] = 1e3 / graphs[b]
+                row["sync_step_ms"] = 1e3 / graphs_sync[b]
                 row["replay_ms"] = replay_ms
                 row["host_ms"] = row["step_ms"] - replay_ms
                 row["roofline_ms"] = roofline_s * 1e3
@@ -142,12 +151,14 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     rows = [r for shape in args.shapes for r in bench_shape(shape, args.batch, args.steps)]
-    print(f"\n{'shape':<12} {'batch':>5} {'graphs tok/s':>13} {'eager tok/s':>12} {'hf tok/s':>10} "
-          f"{'g/eager':>8} {'g/hf':>6} {'step ms':>8} {'replay ms':>9} {'host ms':>8} {'roofline':>9}")
+    print(f"\n{'shape':<12} {'batch':>5} {'graphs tok/s':>13} {'sync tok/s':>11} {'eager tok/s':>12} "
+          f"{'hf tok/s':>10} {'g/eager':>8} {'g/hf':>6} {'step ms':>8} {'sync ms':>8} {'replay ms':>9} "
+          f"{'host ms':>8} {'roofline':>9}")
     for r in rows:
-        extra = (f"{r['step_ms']:8.2f} {r['replay_ms']:9.2f} {r['host_ms']:8.2f} {r['roofline_fraction']:8.0%}"
-                 if "step_ms" in r else "")
-        print(f"{r['shape']:<12} {r['batch']:>5} {r['graphs_tok_s']:>13.0f} {r['eager_tok_s']:>12.0f} "
+        extra = (f"{r['step_ms']:8.2f} {r['sync_step_ms']:8.2f} {r['replay_ms']:9.2f} {r['host_ms']:8.2f} "
+                 f"{r['roofline_fraction']:8.0%}" if "step_ms" in r else "")
+        print(f"{r['shape']:<12} {r['batch']:>5} {r['graphs_tok_s']:>13.0f} {r['graphs_sync_tok_s']:>11.0f} "
+              f"{r['eager_tok_s']:>12.0f} "
               f"{r['transformers_tok_s']:>10.0f} {r['graphs_vs_eager']:>8.2f} {r['graphs_vs_transformers']:>6.2f} {extra}")
     if args.out:
         args.out.write_text(json.dumps(rows, indent=2))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from runtime.engine import SamplingParams
-from tests.test_engine import PRESETS, PROMPTS, collect, hf_greedy, tokens
+from tests.test_engine import PRESETS, PROMPTS, check_async_scheduling_changes_no_output, collect, hf_greedy, tokens
 
 pytestmark = pytest.mark.gpu
 
@@ -41,3 +41,9 @@ def test_bf16_graphs_equal_eager(tiny_model, engine_factory):
     finally:
         runner.graph_batch_sizes = sizes
     assert with_graphs == eager
+
+
+def test_async_scheduling_with_cuda_graphs_serves_what_one_step_at_a_time_serves(tiny_model, engine_factory):
+    # fp32 so that the different batches a run-ahead step makes cannot flip a near-tie
+    check_async_scheduling_changes_no_output(tiny_model("tiny-llama"), engine_factory, device="cuda",
+                                             dtype="float32", max_num_seqs=16, gpu_memory_utilization=0.2)

@@ -43,9 +43,9 @@ class DecodeStaging:
         self._row_tables: list[list[int]] = [_NO_BLOCKS] * len(self._tables)
         self._row_widths: list[int] = [0] * len(self._tables)
         self._copies: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        # The copies read these buffers asynchronously, so a refill waits for the last ones. In the engine the
-        # sampler's .tolist() has synchronised the stream by then and the wait returns at once; it is there
-        # for any caller that does not.
+        # The copies read these buffers asynchronously, so a refill waits for the last ones. In the engine
+        # they were queued before the last step's graph, which has usually finished by then (with async
+        # scheduling it may still run: the wait is then until its inputs were copied, not until its end).
         self._copied = torch.cuda.Event() if pin else None
 
     def fill(self, bs: int, ids: list[int], positions: list[int], slots: list[int],

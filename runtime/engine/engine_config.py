@@ -20,6 +20,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None    # a fixed KV budget in blocks (None: profile on cuda, size by memory on cpu)
     cpu_kv_cache_bytes: int = 1 << 30   # KV budget on cpu when num_kv_blocks is None
     enforce_eager: bool = False
+    async_scheduling: bool = True       # launch each step before reading the last one's tokens
     cuda_graph_batch_sizes: tuple[int, ...] = field(default=CUDA_GRAPH_BATCH_SIZES)
     seed: int = 0
 

@@ -23,13 +23,13 @@ from runtime.engine.block_manager import BlockManager
 from runtime.engine.detokenizer import OutputText
 from runtime.engine.engine_config import EngineConfig
 from runtime.engine.model_config import ModelConfig
-from runtime.engine.model_runner import KVProfile, ModelRunner
+from runtime.engine.model_runner import KVProfile, ModelRunner, PendingTokens
 from runtime.engine.models.llama import build_on_meta
 from runtime.engine.outputs import EngineStats, RequestOutput, TokenLogprob
-from runtime.engine.sampler import SampledToken, Sampler
+from runtime.engine.sampler import SampledBatch, SampledToken, Sampler
 from runtime.engine.sampling_params import InvalidParams, SamplingParams
-from runtime.engine.scheduler import Scheduler
-from runtime.engine.sequence import Sequence
+from runtime.engine.scheduler import ScheduledBatch, Scheduler
+from runtime.engine.sequence import PENDING, Sequence
 from runtime.engine.tokenizer import Tokenizer
 from runtime.engine.weight_plan import WeightPlan, plan_weights
 from runtime.logs import get_logger
@@ -66,6 +66,18 @@ class _Request:
     stop_ids: set[int] = field(default_factory=set)
 
 
+@dataclass
+class _Step:
+    """A launched step whose tokens the host has not read yet."""
+
+    batch: ScheduledBatch
+    sampled: SampledBatch
+    indices: list[int]  # where each sequence's token of this step goes in its output_ids
+
+    def pending(self) -> PendingTokens:
+        return PendingTokens(self.sampled.tokens, {seq: row for row, seq in enumerate(self.batch.seqs)})
+
+
 class Engine:
     def __init__(self, model_dir: Path, model_config: ModelConfig, tokenizer: Tokenizer, config: EngineConfig,
                  load_weights: LoadWeights, timeline: Timeline, model_name: str) -> None:
@@ -86,6 +98,8 @@ class Engine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._requests: dict[str, _Request] = {}
         self._thread: threading.Thread | None = None
+        self._in_flight: _Step | None = None
+        self._steps = self._steps_run_ahead = 0
 
     # -- construction ------------------------------------------------------------------------------
 
@@ -219,7 +233,7 @@ class Engine:
         if not self.ready:
             return EngineStats(0, 0, 0, 0)
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting),
-                           self.blocks.num_used, self.blocks.num_blocks)
+                           self.blocks.num_used, self.blocks.num_blocks, self._steps, self._steps_run_ahead)
 
     def shutdown(self) -> None:
         """Stop the step loop and give the device memory back (the engine cannot be started again)."""
@@ -255,12 +269,14 @@ class Engine:
 
     def _run(self) -> None:
         while True:
-            if not self._drain_inbox(block=not self.scheduler.has_work()):
+            idle = not self.scheduler.has_work() and self._in_flight is None
+            if not self._drain_inbox(block=idle):
                 return
             try:
                 self._step()
             except Exception as exc:  # a failed step fails its requests; the engine keeps serving
                 log.exception("engine step failed")
+                self._in_flight = None
                 for request_id in [s.request_id for s in (*self.scheduler.running, *self.scheduler.waiting)]:
                     self._fail(request_id, exc)
 
@@ -279,24 +295,70 @@ class Engine:
                 self._finish(item, "abort")
 
     def _step(self) -> None:
+        """Schedule and launch a step; with async scheduling, launch it before reading the last step's
+        tokens (the next step's inputs come from them on the device), so the host's reading, stop checks
+        and detokenising overlap the device's work instead of leaving it idle."""
+        ahead, self._in_flight = self._in_flight, None
+        if ahead is not None and not self._may_run_ahead(ahead):
+            self._settle(ahead)
+            ahead = None
         batch = self.scheduler.schedule()
         if batch is None:
+            if ahead is not None:
+                self._settle(ahead)
             return
-        logits = self.runner.execute(batch, self.blocks)
-        sampled = self.sampler(logits, batch.seqs)
-        for seq, n, token in zip(batch.seqs, batch.num_new_tokens, sampled):
-            seq.num_computed_tokens += n
-            self._append_token(self._requests[seq.request_id], token)
+        logits = self.runner.execute(batch, self.blocks, ahead.pending() if ahead is not None else None)
+        step = self._launched(batch, self.sampler(logits, batch.seqs))
+        self._steps += 1
+        if ahead is not None:
+            self._steps_run_ahead += 1
+            self._settle(ahead)
+        if self.config.async_scheduling:
+            self._in_flight = step
+        else:
+            self._settle(step)
 
-    def _append_token(self, request: _Request, token: SampledToken) -> None:
+    def _may_run_ahead(self, step: _Step) -> bool:
+        """Whether the next step may be launched before `step`'s tokens are read. Not when a request waits
+        (it joins once the batch is settled), when a sequence's sampling reads its history (penalties), or
+        when a sequence ends by length at `step` (known in advance: no step is wasted on it)."""
+        if self.scheduler.waiting:
+            return False
+        for seq, index in zip(step.batch.seqs, step.indices):
+            count = index + 1
+            if (Sampler.reads_history(seq.params) or count >= seq.params.max_tokens
+                    or seq.num_prompt_tokens + count >= self.max_model_len):
+                return False
+        return True
+
+    def _launched(self, batch: ScheduledBatch, sampled: SampledBatch) -> _Step:
+        """Account for a launched step: its tokens are computed, and each sequence has one more output
+        token, PENDING until the step is settled."""
+        indices = []
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            indices.append(len(seq.output_ids))
+            seq.output_ids.append(PENDING)
+        return _Step(batch, sampled, indices)
+
+    def _settle(self, step: _Step) -> None:
+        """Read a launched step's tokens and hand them to their requests."""
+        for seq, index, token in zip(step.batch.seqs, step.indices, step.sampled.read()):
+            request = self._requests.get(seq.request_id)
+            if request is None or request.seq is not seq:  # finished or aborted after the step was launched
+                continue
+            self._append_token(request, index, token)
+
+    def _append_token(self, request: _Request, index: int, token: SampledToken) -> None:
         seq = request.seq
-        seq.output_ids.append(token.token_id)
+        seq.output_ids[index] = token.token_id
+        count = index + 1
         reason = None
         if token.token_id in request.stop_ids:
             reason = "stop"
         elif request.text.add_token(token.token_id):
             reason = "stop"
-        elif len(seq.output_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif count >= seq.params.max_tokens or seq.num_prompt_tokens + count >= self.max_model_len:
             reason = "length"
         logprobs = None
         if seq.params.logprobs is not None:
@@ -304,6 +366,7 @@ class Engine:
             logprobs = [TokenLogprob(token.token_id, text_of(token.token_id), token.logprob,
                                      [(t, text_of(t), lp) for t, lp in token.top or []])]
         if reason is not None:
+            del seq.output_ids[count:]  # a step launched past the end produced nothing anyone will read
             # Free the blocks before the caller hears of the finish: it may look at stats() at once.
             self.scheduler.finish(seq, reason)
             self.sampler.forget(seq.request_id)
@@ -313,7 +376,7 @@ class Engine:
     def _emit(self, request: _Request, token_ids: list[int], logprobs, reason: str | None) -> None:
         seq = request.seq
         out = RequestOutput(seq.request_id, request.text.release(final=reason is not None), token_ids, logprobs,
-                            reason is not None, reason, seq.num_prompt_tokens, len(seq.output_ids))
+                            reason is not None, reason, seq.num_prompt_tokens, seq.num_output_tokens)
         _deliver(request, out)
 
     def _finish(self, request_id: str, reason: str) -> None:

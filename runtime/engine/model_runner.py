@@ -20,7 +20,7 @@ from runtime.engine.layers.rotary import cos_sin_table, inverse_frequencies
 from runtime.engine.model_config import ModelConfig
 from runtime.engine.models.llama import LlamaForCausalLM, bind_weights
 from runtime.engine.scheduler import ScheduledBatch
-from runtime.engine.sequence import Sequence
+from runtime.engine.sequence import PENDING, Sequence
 from runtime.engine.weight_plan import DTYPES, WeightPlan, tensor_views
 
 PREFILL_BLOCK_Q = 16
@@ -42,6 +42,15 @@ class KVProfile:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class PendingTokens:
+    """The last step's sampled tokens, still on the device: the input of every sequence whose last token
+    the host has not read yet (async scheduling)."""
+
+    tokens: torch.Tensor          # [B] int64, on the device
+    rows: dict[Sequence, int]     # each sequence's row in `tokens`
 
 
 class Replayable(Protocol):
@@ -219,21 +228,29 @@ class ModelRunner:
     # -- execution ---------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, blocks: BlockManager) -> torch.Tensor:
-        """Logits of the next token of every scheduled sequence, [B, vocab]."""
+    def execute(self, batch: ScheduledBatch, blocks: BlockManager,
+                pending: PendingTokens | None = None) -> torch.Tensor:
+        """Logits of the next token of every scheduled sequence, [B, vocab]. A sequence whose last token is
+        PENDING takes it from `pending` on the device."""
         graph_bs = self._graph_size(len(batch.seqs)) if batch.is_decode else None
         if graph_bs is not None:
-            return self._forward_graph(graph_bs, batch.seqs, blocks)
-        ids, positions, slots, query_lens, seq_lens, tables = [], [], [], [], [], []
+            return self._forward_graph(graph_bs, batch.seqs, blocks, pending)
+        ids, positions, slots, query_lens, seq_lens, tables, feeds = [], [], [], [], [], [], []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             start = seq.num_computed_tokens
-            ids.extend([seq.last_token] if n == 1 else seq.token_ids()[start:start + n])
+            if seq.last_token == PENDING:
+                assert n == 1, "only a decoding sequence runs ahead of its last token"
+                feeds.append((len(ids), pending.rows[seq]))
+                ids.append(0)
+            else:
+                ids.extend([seq.last_token] if n == 1 else seq.token_ids()[start:start + n])
             positions.extend(range(start, start + n))
             slots.extend(blocks.slot(seq, p) for p in range(start, start + n))
             query_lens.append(n)
             seq_lens.append(start + n)
             tables.append(seq.block_table)
-        return self._forward_eager(ids, positions, slots, query_lens, seq_lens, tables)
+        return self._forward_eager(ids, positions, slots, query_lens, seq_lens, tables,
+                                   lambda ids_on_device: _feed_pending(ids_on_device, feeds, pending))
 
     def _graph_size(self, n: int) -> int | None:
         for bs in self.graph_batch_sizes:
@@ -241,15 +258,25 @@ class ModelRunner:
                 return bs
         return None
 
-    def _forward_graph(self, bs: int, seqs: list[Sequence], blocks: BlockManager) -> torch.Tensor:
+    def _forward_graph(self, bs: int, seqs: list[Sequence], blocks: BlockManager,
+                       pending: PendingTokens | None) -> torch.Tensor:
         positions = [seq.num_computed_tokens for seq in seqs]
-        self.staging.fill(bs, [seq.last_token for seq in seqs], positions,
-                          [blocks.slot(seq, p) for seq, p in zip(seqs, positions)], [seq.block_table for seq in seqs])
+        ids, feeds = [], []
+        for i, seq in enumerate(seqs):
+            token = seq.last_token
+            if token == PENDING:
+                feeds.append((i, pending.rows[seq]))
+                token = 0
+            ids.append(token)
+        self.staging.fill(bs, ids, positions, [blocks.slot(seq, p) for seq, p in zip(seqs, positions)],
+                          [seq.block_table for seq in seqs])
         self.staging.upload(bs)
+        _feed_pending(self.decode.input_ids, feeds, pending)
         self.graphs[bs].replay()
         return self.decode.logits[:len(seqs)]
 
-    def _forward_eager(self, ids, positions, slots, query_lens, seq_lens, tables) -> torch.Tensor:
+    def _forward_eager(self, ids, positions, slots, query_lens, seq_lens, tables,
+                       feed: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         starts = [0]
         for n in query_lens:
             starts.append(starts[-1] + n)
@@ -267,11 +294,26 @@ class ModelRunner:
             block_tables=upload([row + [0] * (width - len(row)) for row in tables], torch.int32),
             tile_seq=upload(tile_seq, torch.int32), tile_q_start=upload(tile_start, torch.int32),
             block_q=block_q, query_start_loc_cpu=starts, seq_lens_cpu=list(seq_lens))
-        hidden = self.model(upload(ids, torch.int64), upload(positions, torch.int64), meta, self.kv_caches,
-                            self.cos_sin)
+        ids_on_device = upload(ids, torch.int64)
+        if feed is not None:
+            feed(ids_on_device)
+        hidden = self.model(ids_on_device, upload(positions, torch.int64), meta, self.kv_caches, self.cos_sin)
         return self.model.compute_logits(hidden[upload([s - 1 for s in starts[1:]], torch.int64)])
 
     def _upload(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         # Pageable on purpose: pinning a fresh host tensor per input made the eager 8B decode step 47% slower
         # and Qwen2-1.5B's 4x slower on the H100 (bench_decode); the graph path has its own pinned staging.
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
+
+def _feed_pending(ids: torch.Tensor, feeds: list[tuple[int, int]], pending: PendingTokens | None) -> None:
+    """Write the pending tokens into the step's input ids on the device: row `dst` of `ids` gets row `src`
+    of `pending.tokens`, for each (dst, src) of `feeds`."""
+    if not feeds:
+        return
+    n = len(feeds)
+    if all(dst == src == i for i, (dst, src) in enumerate(feeds)):  # the same batch as last step: one copy
+        ids[:n].copy_(pending.tokens[:n])
+        return
+    index = torch.tensor(feeds, dtype=torch.int64).to(ids.device, non_blocking=True)
+    ids[index[:, 0]] = pending.tokens[index[:, 1]]

@@ -38,3 +38,5 @@ class EngineStats:
     waiting: int
     kv_blocks_used: int
     kv_blocks_total: int
+    steps: int = 0              # steps launched since start
+    steps_run_ahead: int = 0    # of which launched before the previous step's tokens were read

@@ -1,5 +1,10 @@
 """Turns each sequence's next-token logits into a token: penalties, greedy or temperature / top-k / top-p
-sampling with a per-request seed, and the log-probabilities the request asked for."""
+sampling with a per-request seed, and the log-probabilities the request asked for.
+
+Two halves, so the engine can launch the next step before it reads this one's tokens (async scheduling,
+runtime/engine/llm_engine.py): `Sampler.__call__` queues the sampling on the device and starts copying the
+results to the host; `SampledBatch.read()` waits for that copy and returns the tokens.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +23,40 @@ class SampledToken:
     top: list[tuple[int, float]] | None = None   # (token id, logprob), most likely first
 
 
+class SampledBatch:
+    """One step's sampled tokens: on the device at once (`tokens`, which the next step may read as its
+    input), on the host after `read()`."""
+
+    def __init__(self, tokens: torch.Tensor, seqs: list[Sequence], chosen: torch.Tensor | None = None,
+                 top: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        self.tokens = tokens
+        self._wanted = [s.params.logprobs for s in seqs]
+        # non_blocking copies to the host land in pinned memory; the event says when they have
+        self._host = [t.to("cpu", non_blocking=True) if t is not None else None for t in (tokens, chosen)]
+        self._host_top = [t.to("cpu", non_blocking=True) for t in top] if top is not None else None
+        self._copied = None
+        if tokens.is_cuda:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+
+    def read(self) -> list[SampledToken]:
+        if self._copied is not None:
+            self._copied.synchronize()
+        tokens, chosen = self._host
+        results = [SampledToken(t) for t in tokens.tolist()]
+        if chosen is None:
+            return results
+        chosen_list = chosen.tolist()
+        top_values, top_ids = self._host_top if self._host_top is not None else (None, None)
+        for i, n in enumerate(self._wanted):
+            if n is None:
+                continue
+            results[i].logprob = chosen_list[i]
+            if n:
+                results[i].top = list(zip(top_ids[i, :n].tolist(), top_values[i, :n].tolist()))
+        return results
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int) -> None:
         self.device = device
@@ -27,12 +66,18 @@ class Sampler:
     def forget(self, request_id: str) -> None:
         self._request_generators.pop(request_id, None)
 
+    @staticmethod
+    def reads_history(params: SamplingParams) -> bool:
+        """Whether sampling for `params` reads the tokens generated so far (the penalties do), so that the
+        host must know the last step's token before it samples the next."""
+        return params.repetition_penalty != 1.0 or bool(params.presence_penalty or params.frequency_penalty)
+
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[SampledToken]:
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampledBatch:
         if all(_plain_greedy(s.params) for s in seqs):
             # The argmax of bf16/fp16 logits is that of their (exact) fp32 values, first maximum on ties in
             # both: no fp32 copy of the [B, vocab] logits, one kernel and one transfer.
-            return [SampledToken(t) for t in logits.argmax(dim=-1).tolist()]
+            return SampledBatch(logits.argmax(dim=-1), seqs)
         logits = logits.float()
         logprobs = torch.log_softmax(logits, dim=-1) if any(s.params.logprobs is not None for s in seqs) else None
         logits = self._apply_penalties(logits, seqs)
@@ -41,11 +86,11 @@ class Sampler:
         if sampled_rows:
             rows = torch.tensor(sampled_rows, device=logits.device)
             tokens[rows] = self._sample(logits[rows], [seqs[i] for i in sampled_rows])
-        token_list = tokens.tolist()
-        results = [SampledToken(t) for t in token_list]
-        if logprobs is not None:
-            self._attach_logprobs(results, logprobs, tokens, seqs)
-        return results
+        if logprobs is None:
+            return SampledBatch(tokens, seqs)
+        chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
+        most = max(s.params.logprobs or 0 for s in seqs)
+        return SampledBatch(tokens, seqs, chosen, logprobs.topk(most, dim=-1) if most else None)
 
     def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         for i, seq in enumerate(seqs):
@@ -84,25 +129,10 @@ class Sampler:
             self._request_generators[seq.request_id] = gen
         return gen
 
-    @staticmethod
-    def _attach_logprobs(results: list[SampledToken], logprobs: torch.Tensor, tokens: torch.Tensor,
-                         seqs: list[Sequence]) -> None:
-        chosen = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
-        most = max(s.params.logprobs or 0 for s in seqs)
-        top_values, top_ids = (logprobs.topk(most, dim=-1) if most else (None, None))
-        for i, seq in enumerate(seqs):
-            n = seq.params.logprobs
-            if n is None:
-                continue
-            results[i].logprob = chosen[i]
-            if n:
-                results[i].top = list(zip(top_ids[i, :n].tolist(), top_values[i, :n].tolist()))
-
 
 def _plain_greedy(params: SamplingParams) -> bool:
     """Greedy, and nothing else reads or changes the logits (no penalties, no logprobs)."""
-    return (params.greedy and params.logprobs is None and params.repetition_penalty == 1.0
-            and not params.presence_penalty and not params.frequency_penalty)
+    return params.greedy and params.logprobs is None and not Sampler.reads_history(params)
 
 
 def _mask_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

@@ -17,6 +17,10 @@ class Status(enum.Enum):
 
 _arrival = itertools.count()
 
+#: an output token sampled on the device that the host has not read yet (async scheduling): the next step
+#: takes its input from the device for it (runtime/engine/model_runner.py)
+PENDING = -1
+
 
 @dataclass(eq=False)
 class Sequence:
@@ -34,6 +38,14 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Output tokens the host has read (PENDING ones at the end are not counted)."""
+        n = len(self.output_ids)
+        while n and self.output_ids[n - 1] == PENDING:
+            n -= 1
+        return n
 
     @property
     def num_prompt_tokens(self) -> int:

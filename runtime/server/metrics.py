@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Iterable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.requests import Request
 from starlette.responses import Response
@@ -73,3 +73,10 @@ class _StateCollector(Collector):
                 ("thawllm_kv_blocks_used", "KV-cache blocks in use", stats and stats.kv_blocks_used),
                 ("thawllm_kv_blocks_total", "KV-cache blocks allocated", stats and stats.kv_blocks_total)):
             yield GaugeMetricFamily(name, doc, value=value or 0)
+        steps = CounterMetricFamily(
+            "thawllm_engine_steps", "Engine steps launched, by whether the previous step's tokens had been read "
+            "(settled) or not yet (ahead: async scheduling)", labels=["launch"])
+        if stats is not None:
+            steps.add_metric(["ahead"], stats.steps_run_ahead)
+            steps.add_metric(["settled"], stats.steps - stats.steps_run_ahead)
+        yield steps

@@ -257,6 +257,10 @@ def test_metrics(client: openai.OpenAI, http: httpx.Client):
     assert after["thawllm_restore_path{path=cold}"] == 1 and after["thawllm_ready"] == 1
     assert after["thawllm_kv_blocks_total"] > 0
     assert after["thawllm_requests_running"] == 0 and after["thawllm_requests_waiting"] == 0
+    # one request of 6 tokens: a prefill, then decode steps launched before the last one's token was read
+    steps = {launch: after[f"thawllm_engine_steps_total{{launch={launch}}}"]
+             - before[f"thawllm_engine_steps_total{{launch={launch}}}"] for launch in ("ahead", "settled")}
+    assert steps["ahead"] >= 3 and steps["ahead"] + steps["settled"] == 6
 
 
 # -- concurrency and disconnects -----------------------------------------------------------------------------
