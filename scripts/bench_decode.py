@@ -158,8 +158,8 @@ def main() -> None:
         extra = (f"{r['step_ms']:8.2f} {r['sync_step_ms']:8.2f} {r['replay_ms']:9.2f} {r['host_ms']:8.2f} "
                  f"{r['roofline_fraction']:8.0%}" if "step_ms" in r else "")
         print(f"{r['shape']:<12} {r['batch']:>5} {r['graphs_tok_s']:>13.0f} {r['graphs_sync_tok_s']:>11.0f} "
-              f"{r['eager_tok_s']:>12.0f} "
-              f"{r['transformers_tok_s']:>10.0f} {r['graphs_vs_eager']:>8.2f} {r['graphs_vs_transformers']:>6.2f} {extra}")
+              f"{r['eager_tok_s']:>12.0f} {r['transformers_tok_s']:>10.0f} {r['graphs_vs_eager']:>8.2f} "
+              f"{r['graphs_vs_transformers']:>6.2f} {extra}")
     if args.out:
         args.out.write_text(json.dumps(rows, indent=2))
 

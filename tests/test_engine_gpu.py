@@ -3,10 +3,9 @@
 import asyncio
 
 import pytest
-import torch
 
-from runtime.engine import SamplingParams
-from tests.test_engine import PRESETS, PROMPTS, check_async_scheduling_changes_no_output, collect, hf_greedy, tokens
+from tests.test_engine import (PRESETS, PROMPTS, check_async_scheduling_changes_no_output, collect, hf_greedy,
+                               tokens)
 
 pytestmark = pytest.mark.gpu
 

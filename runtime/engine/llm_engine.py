@@ -147,31 +147,9 @@ class Engine:
         if not materialized:
             load.wait()
             weights_stage.__exit__(None, None, None)
-        with t.stage(stages.KV_CACHE, materialized=materialized) as kv_stage:
-            runner.allocate_static()
-            if kv_blocks is None and device.type == "cuda":
-                self.kv_profile = runner.profile_kv_blocks()
-                kv_blocks = self.kv_profile.num_blocks
-            elif kv_blocks is None:
-                kv_blocks = self.config.num_kv_blocks or runner.cpu_kv_blocks()
-            if self.config.num_kv_blocks:
-                kv_blocks = self.config.num_kv_blocks
-            runner.allocate_kv(kv_blocks, releasable_memory)
-            kv_stage.detail["blocks"] = kv_blocks
+        kv_blocks = self._allocate_kv(runner, kv_blocks, releasable_memory)
         if runner.graph_batch_sizes and (capture_graphs or graph_restorer is not None):
-            with t.stage(stages.CUDA_GRAPHS, restored=graph_restorer is not None) as graph_stage:
-                if graph_restorer is not None:
-                    self.graph_fallbacks = graph_restorer.restore(runner)
-                    graph_stage.detail.update(graph_restorer.timings)
-                    for bs, why in self.graph_fallbacks.items():
-                        log.warning("graph for batch size %d captured live: %s", bs, why)
-                missing = [bs for bs in runner.graph_batch_sizes if bs not in runner.graphs]
-                if missing:
-                    keep = runner.graph_batch_sizes
-                    runner.graph_batch_sizes = missing
-                    runner.capture_graphs()
-                    runner.graph_batch_sizes = keep
-                graph_stage.detail["graphs"] = len(runner.graphs)
+            self._prepare_graphs(runner, graph_restorer)
         if materialized:
             load.wait()
             weights_stage.__exit__(None, None, None)
@@ -182,6 +160,35 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
         self.ready = True
+
+    def _allocate_kv(self, runner: ModelRunner, kv_blocks: int | None, releasable: bool) -> int:
+        """The KV cache: `config.num_kv_blocks` if set, else `kv_blocks` (materialised), else profiled on
+        cuda or sized by memory on cpu. Returns its blocks."""
+        with self.timeline.stage(stages.KV_CACHE, materialized=kv_blocks is not None) as kv_stage:
+            runner.allocate_static()
+            if self.config.num_kv_blocks:
+                kv_blocks = self.config.num_kv_blocks
+            elif kv_blocks is None and runner.device.type == "cuda":
+                self.kv_profile = runner.profile_kv_blocks()
+                kv_blocks = self.kv_profile.num_blocks
+            elif kv_blocks is None:
+                kv_blocks = runner.cpu_kv_blocks()
+            runner.allocate_kv(kv_blocks, releasable)
+            kv_stage.detail["blocks"] = kv_blocks
+        return kv_blocks
+
+    def _prepare_graphs(self, runner: ModelRunner, restorer: GraphRestorer | None) -> None:
+        """Restore the decode graphs from materialised state, capturing live whichever could not be."""
+        with self.timeline.stage(stages.CUDA_GRAPHS, restored=restorer is not None) as graph_stage:
+            if restorer is not None:
+                self.graph_fallbacks = restorer.restore(runner)
+                graph_stage.detail.update(restorer.timings)
+                for bs, why in self.graph_fallbacks.items():
+                    log.warning("graph for batch size %d captured live: %s", bs, why)
+            missing = [bs for bs in runner.graph_batch_sizes if bs not in runner.graphs]
+            if missing:
+                runner.capture_graphs(sizes=missing)
+            graph_stage.detail["graphs"] = len(runner.graphs)
 
     def release_device_memory(self) -> int:
         """Free the physical memory of the weights and the KV cache, keeping their addresses (a weight-less

@@ -187,10 +187,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def capture_graphs(self, keep_graphs: bool = False,
-                       on_captured: Callable[[int, torch.cuda.CUDAGraph], None] | None = None) -> None:
-        """Capture one decode graph per batch size, largest first, all sharing one memory pool.
-        `keep_graphs` keeps each graph's description readable (for materialisation)."""
-        for bs in sorted(self.graph_batch_sizes, reverse=True):
+                       on_captured: Callable[[int, torch.cuda.CUDAGraph], None] | None = None,
+                       sizes: list[int] | None = None) -> None:
+        """Capture one decode graph per batch size (`sizes`, default all), largest first, all sharing one
+        memory pool. `keep_graphs` keeps each graph's description readable (for materialisation)."""
+        for bs in sorted(self.graph_batch_sizes if sizes is None else sizes, reverse=True):
             self._graph_forward(bs)  # warm-up: cuBLAS and Triton set themselves up outside the capture
             graph = torch.cuda.CUDAGraph(keep_graph=keep_graphs)
             # thread_local: the weight loader's threads may still be streaming (materialised start), and a
