@@ -240,6 +240,51 @@ def check_async_scheduling_changes_no_output(model_dir, engine_factory, **engine
         ahead.shutdown()
 
 
+def test_requests_arriving_and_leaving_at_random_get_their_own_tokens_and_free_every_block(tiny_model,
+                                                                                           engine_factory):
+    """Async scheduling under churn: requests arrive at random moments, some callers leave mid-stream, the KV
+    cache is too small for all of them (preemption). Each finished request gets what it gets alone, each
+    abandoned one a prefix of that, and every block comes back."""
+    import random
+
+    model_dir = tiny_model("tiny-llama")
+    rng = random.Random(7)
+    work = [([rng.randrange(3, 500) for _ in range(rng.randrange(2, 40))], rng.randrange(1, 24),
+             rng.choice([None, None, 1, 3]), rng.random() * 0.05) for _ in range(24)]
+    alone = engine_factory(model_dir, async_scheduling=False)
+    expected = [tokens(asyncio.run(collect(alone, prompt, max_tokens=n, temperature=0)))
+                for prompt, n, _, _ in work]
+    engine = engine_factory(model_dir, num_kv_blocks=8)
+
+    async def one(prompt, n, leave_after, delay):
+        await asyncio.sleep(delay)
+        got = []
+        stream = engine.generate(prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+        async for out in stream:
+            got.extend(out.token_ids)
+            if leave_after is not None and len(got) >= leave_after:
+                await stream.aclose()
+                break
+        return got
+
+    async def churn():
+        return await asyncio.gather(*[one(*w) for w in work])
+
+    got = asyncio.run(churn())
+    for (_, n, leave_after, _), mine, theirs in zip(work, got, expected):
+        if leave_after is None or leave_after >= n:
+            assert mine == theirs
+        else:
+            assert mine == theirs[:len(mine)] and len(mine) >= leave_after
+    for _ in range(200):
+        stats = engine.stats()
+        if stats.running == stats.waiting == stats.kv_blocks_used == 0:
+            break
+        asyncio.run(asyncio.sleep(0.01))
+    assert (stats.running, stats.waiting, stats.kv_blocks_used) == (0, 0, 0)
+    assert stats.steps_run_ahead > 0
+
+
 def test_invalid_requests_are_refused(tiny_model, engine_factory):
     engine = engine_factory(tiny_model("tiny-llama"), max_model_len=64)
     with pytest.raises(InvalidParams, match="maximum context length is 64"):

@@ -326,11 +326,10 @@ class Engine:
             self._settle(step)
 
     def _may_run_ahead(self, step: _Step) -> bool:
-        """Whether the next step may be launched before `step`'s tokens are read. Not when a request waits
-        (it joins once the batch is settled), when a sequence's sampling reads its history (penalties), or
-        when a sequence ends by length at `step` (known in advance: no step is wasted on it)."""
-        if self.scheduler.waiting:
-            return False
+        """Whether the next step may be launched before `step`'s tokens are read. Not when a sequence's
+        sampling reads its history (penalties), nor when a sequence ends by length at `step` (known in
+        advance: no step is wasted on it). Waiting requests may join: a prefill never holds a PENDING token
+        (a preempted sequence is settled before it can be scheduled again)."""
         for seq, index in zip(step.batch.seqs, step.indices):
             count = index + 1
             if (Sampler.reads_history(seq.params) or count >= seq.params.max_tokens
