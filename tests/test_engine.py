@@ -220,7 +220,9 @@ def check_async_scheduling_changes_no_output(model_dir, engine_factory, **engine
                                                           for lp in x.logprobs or []],
                  o[-1].finish_reason, o[-1].completion_tokens) for o in outs]
 
-    for blocks in (None, 6):  # roomy, then cramped: 96 token slots for 8 requests, so some are preempted
+    # roomy, then cramped (96 token slots for 8 requests, so some are preempted); fixed sizes, so that two
+    # engines in one process on a GPU do not each profile the other's memory away
+    for blocks in (64, 6):
         one_at_a_time = engine_factory(model_dir, async_scheduling=False, max_model_len=64, num_kv_blocks=blocks,
                                        **engine)
         ahead = engine_factory(model_dir, max_model_len=64, num_kv_blocks=blocks, **engine)
