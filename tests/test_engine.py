@@ -182,6 +182,38 @@ def test_top_k_one_is_greedy_and_penalties_change_choices(tiny_model, engine_fac
     assert len(set(penalised)) > len(set(greedy))
 
 
+def test_penalties_match_a_reference_over_transformers_logits_while_steps_run_ahead(tiny_model, engine_factory):
+    """Repetition (transformers' definition, over prompt and output), then frequency and presence penalties
+    (OpenAI's, over the output): greedy choices equal a plain loop over transformers' logits, even with the
+    penalty counts kept on the device while the engine launches each step before reading the last."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tiny_model("tiny-llama")
+    prompt, n, rp, fp, pp = PROMPTS[6], 16, 1.3, 0.7, 0.4
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            row = model(torch.tensor([ids])).logits[0, -1].float()
+            seen = torch.tensor(sorted(set(ids)))
+            row[seen] = torch.where(row[seen] > 0, row[seen] / rp, row[seen] * rp)
+            counts = torch.bincount(torch.tensor(ids[len(prompt):], dtype=torch.long), minlength=row.numel())
+            row -= fp * counts + pp * (counts > 0).float()
+            ids.append(int(row.argmax()))
+    expected = ids[len(prompt):]
+    engine = engine_factory(model_dir)
+
+    async def beside_others():
+        others = [collect(engine, p, max_tokens=n, temperature=0) for p in PROMPTS[:4]]
+        return await asyncio.gather(collect(engine, prompt, max_tokens=n, temperature=0, repetition_penalty=rp,
+                                            frequency_penalty=fp, presence_penalty=pp), *others)
+
+    assert tokens(asyncio.run(beside_others())[0]) == expected
+    assert tokens(asyncio.run(collect(engine, prompt, max_tokens=n, temperature=0, repetition_penalty=rp,
+                                      frequency_penalty=fp, presence_penalty=pp))) == expected
+    assert engine.stats().steps_run_ahead > engine.stats().steps // 2
+
+
 def test_stop_token_and_eos_end_with_stop(tiny_model, engine_factory):
     engine = engine_factory(tiny_model("tiny-llama"))
     greedy = tokens(asyncio.run(collect(engine, PROMPTS[1], max_tokens=10, temperature=0)))

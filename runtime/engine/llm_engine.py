@@ -329,16 +329,13 @@ class Engine:
             self._settle(step)
 
     def _may_run_ahead(self, step: _Step) -> bool:
-        """Whether the next step may be launched before `step`'s tokens are read. Not when a sequence's
-        sampling reads its history (penalties), nor when a sequence ends by length at `step` (known in
-        advance: no step is wasted on it). Waiting requests may join: a prefill never holds a PENDING token
-        (a preempted sequence is settled before it can be scheduled again)."""
-        for seq, index in zip(step.batch.seqs, step.indices):
-            count = index + 1
-            if (Sampler.reads_history(seq.params) or count >= seq.params.max_tokens
-                    or seq.num_prompt_tokens + count >= self.max_model_len):
-                return False
-        return True
+        """Whether the next step may be launched before `step`'s tokens are read: not when a sequence ends by
+        length at `step` (known in advance: no step is wasted on it). Waiting requests may join: a prefill
+        never holds a PENDING token (a preempted sequence is settled before it can be scheduled again), and
+        the penalties count tokens on the device (runtime/engine/penalties.py)."""
+        return not any(index + 1 >= seq.params.max_tokens
+                       or seq.num_prompt_tokens + index + 1 >= self.max_model_len
+                       for seq, index in zip(step.batch.seqs, step.indices))
 
     def _launched(self, batch: ScheduledBatch, sampled: SampledBatch) -> _Step:
         """Account for a launched step: its tokens are computed, and each sequence has one more output

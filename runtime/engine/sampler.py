@@ -1,5 +1,5 @@
-"""Turns each sequence's next-token logits into a token: penalties, greedy or temperature / top-k / top-p
-sampling with a per-request seed, and the log-probabilities the request asked for.
+"""Turns each sequence's next-token logits into a token: penalties (runtime/engine/penalties.py), greedy or
+temperature / top-k / top-p sampling with a per-request seed, and the log-probabilities the request asked for.
 
 Two halves, so the engine can launch the next step before it reads this one's tokens (async scheduling,
 runtime/engine/llm_engine.py): `Sampler.__call__` queues the sampling on the device and starts copying the
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.engine.penalties import Penalties, penalised
 from runtime.engine.sampling_params import SamplingParams
 from runtime.engine.sequence import Sequence
 
@@ -62,15 +63,11 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self._request_generators: dict[str, torch.Generator] = {}
+        self.penalties = Penalties(device)
 
     def forget(self, request_id: str) -> None:
         self._request_generators.pop(request_id, None)
-
-    @staticmethod
-    def reads_history(params: SamplingParams) -> bool:
-        """Whether sampling for `params` reads the tokens generated so far (the penalties do), so that the
-        host must know the last step's token before it samples the next."""
-        return params.repetition_penalty != 1.0 or bool(params.presence_penalty or params.frequency_penalty)
+        self.penalties.forget(request_id)
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampledBatch:
@@ -80,30 +77,18 @@ class Sampler:
             return SampledBatch(logits.argmax(dim=-1), seqs)
         logits = logits.float()
         logprobs = torch.log_softmax(logits, dim=-1) if any(s.params.logprobs is not None for s in seqs) else None
-        logits = self._apply_penalties(logits, seqs)
+        self.penalties.apply(logits, seqs)
         tokens = logits.argmax(dim=-1)
         sampled_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if sampled_rows:
             rows = torch.tensor(sampled_rows, device=logits.device)
             tokens[rows] = self._sample(logits[rows], [seqs[i] for i in sampled_rows])
+        self.penalties.record(tokens, seqs)
         if logprobs is None:
             return SampledBatch(tokens, seqs)
         chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
         most = max(s.params.logprobs or 0 for s in seqs)
         return SampledBatch(tokens, seqs, chosen, logprobs.topk(most, dim=-1) if most else None)
-
-    def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        for i, seq in enumerate(seqs):
-            p = seq.params
-            if p.repetition_penalty != 1.0:
-                seen = torch.tensor(sorted(set(seq.token_ids())), device=logits.device)
-                row = logits[i, seen]
-                logits[i, seen] = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
-            if (p.presence_penalty or p.frequency_penalty) and seq.output_ids:
-                counts = torch.bincount(torch.tensor(seq.output_ids, device=logits.device),
-                                        minlength=logits.shape[1])[: logits.shape[1]].float()
-                logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
-        return logits
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         temps = torch.tensor([s.params.temperature or 1.0 for s in seqs], device=logits.device)
@@ -132,7 +117,7 @@ class Sampler:
 
 def _plain_greedy(params: SamplingParams) -> bool:
     """Greedy, and nothing else reads or changes the logits (no penalties, no logprobs)."""
-    return params.greedy and params.logprobs is None and not Sampler.reads_history(params)
+    return params.greedy and params.logprobs is None and not penalised(params)
 
 
 def _mask_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
