@@ -186,9 +186,12 @@ def test_penalties_match_a_reference_over_transformers_logits_while_steps_run_ah
     """Repetition (transformers' definition, over prompt and output), then frequency and presence penalties
     (OpenAI's, over the output): greedy choices equal a plain loop over transformers' logits, even with the
     penalty counts kept on the device while the engine launches each step before reading the last."""
+    check_penalties_match_transformers(tiny_model("tiny-llama"), engine_factory)
+
+
+def check_penalties_match_transformers(model_dir, engine_factory, **engine):
     from transformers import AutoModelForCausalLM
 
-    model_dir = tiny_model("tiny-llama")
     prompt, n, rp, fp, pp = PROMPTS[6], 16, 1.3, 0.7, 0.4
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     ids = list(prompt)
@@ -201,7 +204,7 @@ def test_penalties_match_a_reference_over_transformers_logits_while_steps_run_ah
             row -= fp * counts + pp * (counts > 0).float()
             ids.append(int(row.argmax()))
     expected = ids[len(prompt):]
-    engine = engine_factory(model_dir)
+    engine = engine_factory(model_dir, **engine)
 
     async def beside_others():
         others = [collect(engine, p, max_tokens=n, temperature=0) for p in PROMPTS[:4]]

@@ -4,8 +4,8 @@ import asyncio
 
 import pytest
 
-from tests.test_engine import (PRESETS, PROMPTS, check_async_scheduling_changes_no_output, collect, hf_greedy,
-                               tokens)
+from tests.test_engine import (PRESETS, PROMPTS, check_async_scheduling_changes_no_output,
+                               check_penalties_match_transformers, collect, hf_greedy, tokens)
 
 pytestmark = pytest.mark.gpu
 
@@ -46,3 +46,8 @@ def test_async_scheduling_with_cuda_graphs_serves_what_one_step_at_a_time_serves
     # fp32 so that the different batches a run-ahead step makes cannot flip a near-tie
     check_async_scheduling_changes_no_output(tiny_model("tiny-llama"), engine_factory, device="cuda",
                                              dtype="float32", max_num_seqs=16, gpu_memory_utilization=0.2)
+
+
+def test_penalties_on_the_device_match_transformers(tiny_model, engine_factory):
+    check_penalties_match_transformers(tiny_model("tiny-llama"), engine_factory, device="cuda", dtype="float32",
+                                       max_num_seqs=16, num_kv_blocks=64, gpu_memory_utilization=0.2)
