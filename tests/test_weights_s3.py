@@ -156,3 +156,47 @@ def test_build_to_s3_refuses_an_existing_layout_and_a_failed_build_uploads_nothi
     with pytest.raises(WeightsError):
         write_layout(str(tmp_path / "absent"), f"s3://{BUCKET}/layouts/failed", dtype="float32", **SMALL)
     assert "Contents" not in boto3.client("s3").list_objects_v2(Bucket=BUCKET, Prefix="layouts/failed/")
+
+
+def test_build_to_s3_keeps_one_weight_file_on_local_disk_and_a_build_failing_midway_leaves_no_object(
+        moto_url, tiny_model, tmp_path, monkeypatch):
+    import tempfile
+    import threading
+
+    from safetensors.torch import load_file, save_file
+
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    most, done = [0], threading.Event()
+
+    def watch():  # how many weight files the build holds on local disk at once
+        while not done.is_set():
+            most[0] = max(most[0], len(list(scratch.rglob("weights-*.bin"))))
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        manifest = write_layout(tiny_model("tiny-llama"), f"s3://{BUCKET}/layouts/streamed", dtype="float32",
+                                **{**SMALL, "file_bytes": 50_000})
+    finally:
+        done.set()
+        watcher.join()
+    assert len(manifest.files) >= 3 and most[0] == 1
+    assert Manifest.from_json(boto3.client("s3").get_object(
+        Bucket=BUCKET, Key="layouts/streamed/manifest.json")["Body"].read()) == manifest
+
+    broken = tmp_path / "broken"  # the last tensor is missing: the build fails after uploading earlier files
+    broken.mkdir()
+    for f in Path(tiny_model("tiny-llama")).iterdir():
+        if f.suffix == ".safetensors":
+            tensors = load_file(f)
+            tensors.pop("model.norm.weight", None)
+            save_file(tensors, broken / f.name)
+        else:
+            (broken / f.name).write_bytes(f.read_bytes())
+    with pytest.raises(WeightsError, match="model.norm.weight is missing"):
+        write_layout(str(broken), f"s3://{BUCKET}/layouts/half", dtype="float32", **{**SMALL, "file_bytes": 50_000})
+    assert "Contents" not in boto3.client("s3").list_objects_v2(Bucket=BUCKET, Prefix="layouts/half/")
+    assert list(scratch.glob("faas-build-*")) == []
+

@@ -15,6 +15,7 @@ import shutil
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable
 
 import torch
 from tqdm import tqdm
@@ -59,10 +60,14 @@ def write_layout(source: str, out: str, *, dtype: str = "bfloat16", file_bytes: 
     _check_out_free(out, store)
     with tempfile.TemporaryDirectory(prefix="faas-build-") as scratch:
         model_dir, content_hash = _local_source(source, Path(scratch), store, progress)
-        if is_s3(out):
+        if is_s3(out):  # each weight file goes up as soon as it is written: local room for one, not all
             staged = Path(scratch) / "layout"
-            manifest = _write_local(model_dir, staged, dtype, file_bytes, chunk_bytes, hash, content_hash, progress)
-            upload_layout(staged, out, manifest, store, progress)
+            with LayoutUpload(out, store, progress) as upload:
+                manifest = _write_local(model_dir, staged, dtype, file_bytes, chunk_bytes, hash, content_hash,
+                                        progress, on_file=lambda path: upload.put(path, remove=True))
+                for name in manifest.model_files:
+                    upload.put(staged / name)
+                upload.finish(manifest)
             return manifest
         final = Path(out)
         temp = temp_beside(final)
@@ -136,7 +141,9 @@ def content_hash(files: list[Path], root: Path) -> str:
 # -- writing -----------------------------------------------------------------------------------------------
 
 def _write_local(model_dir: Path, out: Path, dtype: str, file_bytes: int, chunk_bytes: int, hash: str,
-                 source_hash: str, progress: bool) -> Manifest:
+                 source_hash: str, progress: bool, on_file: Callable[[Path], None] | None = None) -> Manifest:
+    """Write the layout into the new directory `out`; `on_file` is called with each weight file once it is
+    written and hashed (it may move the file away)."""
     plan = plan_weights(ModelConfig.from_dir(model_dir), dtype)
     out.mkdir(parents=True)
     groups = split_into_files(plan, file_bytes)
@@ -148,6 +155,8 @@ def _write_local(model_dir: Path, out: Path, dtype: str, file_bytes: int, chunk_
             _write_file(out / name, start, end, planned, source, DTYPES[dtype], bar)
             files.append(FileEntry(name, start, end - start, chunk_bytes, hash_chunks(out / name, chunk_bytes, hash)))
             tensors += [TensorEntry(t.name, dtype, t.shape, name, t.offset - start, t.nbytes) for t in planned]
+            if on_file is not None:
+                on_file(out / name)
     bar.close()
     copied = tuple(n for n in MODEL_FILES if (model_dir / n).is_file())
     for name in copied:
@@ -238,18 +247,41 @@ def _check_out_free(out: str, store: S3Store | None) -> None:
         raise WeightsError(f"{out} already exists")
 
 
+class LayoutUpload:
+    """Uploads a layout's files under an s3:// prefix, the manifest last, so that a half-finished upload is
+    never a valid layout; if anything fails before the manifest is up, every object it uploaded is deleted."""
+
+    def __init__(self, url: str, store: S3Store, progress: bool = True) -> None:
+        self.url = url
+        self.store = store
+        self.bucket, self.prefix = split_url(url)
+        self._uploaded: list[str] = []
+        self._bar = tqdm(desc=f"upload {url}", unit="file", disable=not progress)
+
+    def put(self, path: Path, remove: bool = False) -> None:
+        key = join_key(self.prefix, path.name)
+        self.store.upload(path, self.bucket, key)
+        self._uploaded.append(key)
+        self._bar.update(1)
+        if remove:
+            path.unlink()
+
+    def finish(self, manifest: Manifest) -> None:
+        self.store.put_bytes(self.bucket, join_key(self.prefix, MANIFEST), manifest.to_json())
+        self._uploaded.clear()  # a complete layout now: nothing to take back
+
+    def __enter__(self) -> "LayoutUpload":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._bar.close()
+        if self._uploaded:
+            self.store.delete(self.bucket, self._uploaded)
+
+
 def upload_layout(local: Path, url: str, manifest: Manifest, store: S3Store, progress: bool = True) -> None:
-    """Upload a built layout: weights and model files first, the manifest last, so a half-finished upload is
-    never a valid layout; on failure the uploaded objects are deleted."""
-    bucket, prefix = split_url(url)
-    names = [f.name for f in manifest.files] + list(manifest.model_files)
-    done: list[str] = []
-    try:
-        for name in tqdm(names, desc=f"upload {url}", unit="file", disable=not progress):
-            store.upload(local / name, bucket, join_key(prefix, name))
-            done.append(join_key(prefix, name))
-        store.put_bytes(bucket, join_key(prefix, MANIFEST), (local / MANIFEST).read_bytes())
-    except BaseException:
-        if done:
-            store.delete(bucket, done)
-        raise
+    """Upload a layout already built in the local directory `local`."""
+    with LayoutUpload(url, store, progress) as upload:
+        for name in [f.name for f in manifest.files] + list(manifest.model_files):
+            upload.put(local / name)
+        upload.finish(manifest)
