@@ -172,7 +172,10 @@ def test_build_to_s3_keeps_one_weight_file_on_local_disk_and_a_build_failing_mid
 
     def watch():  # how many weight files the build holds on local disk at once
         while not done.is_set():
-            most[0] = max(most[0], len(list(scratch.rglob("weights-*.bin"))))
+            try:
+                most[0] = max(most[0], len(list(scratch.rglob("weights-*.bin"))))
+            except OSError:  # a directory went away while it was listed
+                pass
 
     watcher = threading.Thread(target=watch)
     watcher.start()
