@@ -124,6 +124,10 @@ class Settings:
         "GPU_SNAPSHOT_WEIGHTS", _choice("stream", "image"), "stream",
         "faas-build gpu snapshots: stream (weights and KV cache left out of the image, weights streamed back "
         "after restore) or image (all GPU memory in the image)")
+    weights_during_restore: bool = _setting(
+        "WEIGHTS_DURING_RESTORE", _bool, True,
+        "gpu snapshots baked with GPU_SNAPSHOT_WEIGHTS=stream: the CUDA restore helper streams the weights "
+        "while CRIU restores the process (1), or the restored process streams them after its restore (0)")
     handler: str = _setting(
         "HANDLER", str, "handlers.openai:handler", "module:attribute of the handler to serve")
     served_model_name: str | None = _setting(

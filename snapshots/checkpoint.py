@@ -13,6 +13,7 @@ import ctypes
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -116,13 +117,13 @@ def restore(criu: Criu, directory: Path, extra: list[str] = ()) -> tuple[int, fl
 
 
 def hand_over(pid: int, snapshot_id: str, message: handoff.Handoff, timeout: float,
-              before: Callable[[int], None] | None = None) -> None:
-    """Give the restored process its instance (after `before(pid)`, e.g. the CUDA restore). On any
-    failure the restored tree is killed before the error is raised."""
+              before: Callable[[int], None] | None = None, channel: socket.socket | None = None) -> None:
+    """Give the restored process its instance (after `before(pid)`, e.g. the CUDA restore; with CHANNEL,
+    the weights' socket). On any failure the restored tree is killed before the error is raised."""
     try:
         if before is not None:
             before(pid)
-        handoff.send(snapshot_id, message, timeout)
+        handoff.send(snapshot_id, message, timeout, channel)
     except BaseException:
         kill_tree(pid)
         raise

@@ -10,11 +10,21 @@ its figures on the H100.
 from __future__ import annotations
 
 import argparse
+import select
+import socket
 import subprocess
 import sys
+import threading
 import time
+from pathlib import Path
+
+from runtime.logs import get_logger
+
+log = get_logger("snapshots.cuda_checkpoint")
 
 LOCK_TIMEOUT_MS = 60_000
+#: the helper's line on stdout once the restored process's CUDA state is back and unlocked
+RESTORED = "restored"
 
 
 class CudaCheckpointError(RuntimeError):
@@ -64,26 +74,59 @@ def run_helper(action: str, pid: int, timeout: float = 600.0) -> float:
 class RestoreHelper:
     """The CUDA half of a gpu restore, in a helper started before CRIU runs: its Python start, imports and
     cuInit (a few tenths of a second) overlap the CRIU restore, and `restore(pid)` costs only the driver's
-    work. `close()` stops a helper that was never given a pid (the CRIU restore failed)."""
+    work. With WEIGHTS (a layout directory) it also streams the weights meanwhile, into memory it hands to the
+    restored process through `channel`, the socket the handoff passes on (snapshots/weights_during_restore.py).
 
-    def __init__(self) -> None:
-        self._proc = subprocess.Popen([sys.executable, "-m", "snapshots.cuda_checkpoint", "restore", "-"],
-                                      stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                      text=True)
+    `close()` stops a helper whose restore failed; `detach()` lets one that restored finish its handover."""
+
+    def __init__(self, weights: Path | None = None) -> None:
+        command = [sys.executable, "-m", "snapshots.cuda_checkpoint", "restore", "-"]
+        self.channel: socket.socket | None = None
+        ours = None
+        if weights is not None:
+            ours, self.channel = socket.socketpair()
+            command += ["--weights", str(weights), "--channel-fd", str(ours.fileno())]
+        self._proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True,
+                                      pass_fds=(ours.fileno(),) if ours is not None else ())
+        if ours is not None:
+            ours.close()
 
     def restore(self, pid: int, timeout: float = 600.0) -> float:
         """Restore and unlock PID's CUDA state; returns the seconds it took."""
         started = time.time()
         try:
-            _, err = self._proc.communicate(f"{pid}\n", timeout=timeout)
-        except subprocess.TimeoutExpired:
+            self._proc.stdin.write(f"{pid}\n")
+            self._proc.stdin.close()
+        except OSError:
+            pass  # it has exited already: its status says why
+        ready, _, _ = select.select([self._proc.stdout], [], [], timeout)
+        line = self._proc.stdout.readline().strip() if ready else None
+        if line != RESTORED:
             self.close()
-            raise CudaCheckpointError(f"cuda restore of pid {pid} did not finish in {timeout:.0f} s") from None
-        if self._proc.returncode != 0:
-            raise CudaCheckpointError(f"cuda restore of pid {pid} failed: {err.strip()[-500:]}")
+            if line is None:
+                raise CudaCheckpointError(f"cuda restore of pid {pid} did not finish in {timeout:.0f} s")
+            raise CudaCheckpointError(f"cuda restore of pid {pid} failed: {self._proc.stderr.read().strip()[-500:]}")
         return time.time() - started
 
+    def detach(self) -> None:
+        """The restore is done; the helper goes on until its weights are handed over. Its messages are logged."""
+        if self.channel is not None:
+            self.channel.close()  # the restored process has its own copy now
+
+        def drain() -> None:
+            for line in self._proc.stderr:
+                log.warning("cuda restore helper: %s", line.rstrip())
+            try:
+                self._proc.wait()
+            except ChildProcessError:
+                pass  # reaped by the supervisor (snapshots/supervise.py)
+
+        threading.Thread(target=drain, name="cuda-restore-helper", daemon=True).start()
+
     def close(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
         if self._proc.poll() is None:
             self._proc.kill()
             self._proc.wait()
@@ -100,21 +143,40 @@ def _check(driver, result: tuple, call: str) -> None:
         raise CudaCheckpointError(f"{call}: {name.decode() if isinstance(name, bytes) else name}")
 
 
+def _restore_from_stdin(weights: Path | None, channel_fd: int | None) -> None:
+    """The helper's side of RestoreHelper: cuInit, start streaming WEIGHTS (if any), then restore the pid the
+    bootstrap sends once CRIU has restored it, say so, and finish the weights' handover."""
+    from cuda.bindings import driver
+
+    _init(driver)
+    handover = None
+    if weights is not None:
+        from snapshots.weights_during_restore import stream_for_handover
+
+        channel = socket.socket(fileno=channel_fd)
+        handover = threading.Thread(target=stream_for_handover, args=(weights, channel), daemon=True)
+        handover.start()
+    line = sys.stdin.readline().strip()
+    if not line:  # the bootstrap gave up before there was a process to restore
+        return
+    restore(int(line))
+    print(RESTORED, flush=True)
+    if handover is not None:
+        handover.join()
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="snapshots.cuda_checkpoint")
     parser.add_argument("action", choices=("checkpoint", "restore"))
     parser.add_argument("pid", help="the process, or - to initialise CUDA first and then read it from stdin")
+    parser.add_argument("--weights", type=Path, help="restore -: a layout to stream while CRIU restores")
+    parser.add_argument("--channel-fd", type=int, help="restore -: the socket to hand the weights over on")
     args = parser.parse_args()
     try:
         if args.pid == "-":
-            from cuda.bindings import driver
-
-            _init(driver)
-            line = sys.stdin.readline().strip()
-            if not line:  # the bootstrap gave up before there was a process to restore
-                sys.exit(0)
-            args.pid = line
-        {"checkpoint": checkpoint, "restore": restore}[args.action](int(args.pid))
+            _restore_from_stdin(args.weights, args.channel_fd)
+        else:
+            {"checkpoint": checkpoint, "restore": restore}[args.action](int(args.pid))
     except CudaCheckpointError as exc:
         print(f"cuda_checkpoint: {exc}", file=sys.stderr)
         sys.exit(1)

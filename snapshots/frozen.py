@@ -14,6 +14,7 @@ import argparse
 import os
 import runpy
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -71,15 +72,37 @@ def drop_cached_memory() -> None:
         empty_host_cache()
 
 
-def reload_released_weights(engine) -> thawed.WeightReload | None:
-    """Right after a restore, map memory back under what the snapshot left out and start streaming the
-    weights into it."""
+def reload_released_weights(engine, channel: socket.socket | None) -> thawed.WeightReload | None:
+    """Right after a restore, map memory back under what the snapshot left out, and get the weights into
+    it: from the CUDA restore helper, which has been streaming them during the restore (CHANNEL), or by
+    streaming them now."""
     if engine.runner is None or not engine.runner.allocator.released:
+        if channel is not None:
+            channel.close()  # the helper gets EOF and frees what it streamed
         return None
-    started = time.time()
-    engine.runner.allocator.remap()
-    remap_s = time.time() - started
-    return thawed.WeightReload(engine.reload_weights(), started, round(remap_s, 4))
+    if channel is not None:
+        from snapshots.weights_during_restore import HandedOverWeights
+
+        return HandedOverWeights(engine, channel)
+    return StreamedWeights(engine)
+
+
+class StreamedWeights:
+    """The weights streamed by the restored process itself, after the restore."""
+
+    def __init__(self, engine) -> None:
+        self.started = time.time()
+        engine.runner.allocator.remap()
+        self._remap_s = time.time() - self.started
+        self._bytes = engine.plan.total_bytes
+        self._load = engine.reload_weights()
+
+    def wait(self) -> tuple[float, dict]:
+        self._load.wait()
+        detail = {"bytes": self._bytes, "after_restore": True, "remap_s": round(self._remap_s, 4)}
+        if hasattr(self._load, "tier_stats"):
+            detail["tiers"] = self._load.tier_stats()
+        return self.started, detail
 
 
 def park_stdio() -> None:
@@ -110,12 +133,12 @@ def main() -> int:
     os.write(args.ready_fd, b"ready\n")
     os.close(args.ready_fd)
 
-    received, conn = handoff.receive(listener)  # <- checkpointed here; everything below runs restored
+    received, conn, channel = handoff.receive(listener)  # <- checkpointed here; everything below runs restored
     taken_over_at = time.time()
     os.environ["THAWLLM_SPAWN_TIME"] = repr(received.spawn_time)
     if received.verify and engine.runner is not None:
         engine.runner.allocator.remap()  # the bake checks that released ranges map again (no-op if none)
-    weights = None if received.verify else reload_released_weights(engine)
+    weights = None if received.verify else reload_released_weights(engine, channel)
     thawed.current = thawed.Thawed(args.kind, engine, received, taken_over_at, weights)
     # As the init of its pid namespace this process ignores signals it has no handler for: until the server
     # installs its own (drain on SIGTERM), a SIGTERM forwarded by the bootstrap ends it.

@@ -28,10 +28,19 @@ log = get_logger("snapshots.gpu")
 GPU_CRIU_OPTIONS = ["--ext-unix-sk"]
 
 
-def gpu_hooks() -> CriuHooks:
+def gpu_hooks(weights_during_restore: bool = False) -> CriuHooks:
+    """WEIGHTS_DURING_RESTORE: at boot, let the CUDA restore helper stream a weight-less image's weights
+    while CRIU restores (snapshots/weights_during_restore.py)."""
     if importlib.util.find_spec("cuda.bindings") is None:
         raise SkipPath("cuda-bindings is not installed (the CUDA checkpoint API)")
-    return CriuHooks(before_dump=_checkpoint_cuda, start_restore_helper=_start_cuda_restore,
+
+    def start_cuda_restore(image: SnapshotImage, boot: bool) -> "RestoreHelper":
+        from snapshots.cuda_checkpoint import RestoreHelper
+
+        stream = boot and weights_during_restore and image.weights_left_out
+        return RestoreHelper(Path(image.model_dir) if stream else None)
+
+    return CriuHooks(before_dump=_checkpoint_cuda, start_restore_helper=start_cuda_restore,
                      criu_options=GPU_CRIU_OPTIONS)
 
 
@@ -46,16 +55,11 @@ def bake_gpu_snapshot(settings: Settings, model_dir: Path, snapshot_dir: Path,
         from snapshots.checkpoint import SnapshotError
 
         raise SnapshotError(f"cannot bake a gpu snapshot: {why}") from None
-    return bake_snapshot("gpu", settings, model_dir, snapshot_dir, hooks, pid_namespace)
+    return bake_snapshot("gpu", settings, model_dir, snapshot_dir, hooks, pid_namespace,
+                         weights_left_out=settings.gpu_snapshot_weights == "stream")
 
 
 def _checkpoint_cuda(pid: int) -> None:
     from snapshots.cuda_checkpoint import run_helper
 
     log.info("gpu snapshot: CUDA checkpoint of pid %d took %.2f s", pid, run_helper("checkpoint", pid))
-
-
-def _start_cuda_restore() -> "RestoreHelper":
-    from snapshots.cuda_checkpoint import RestoreHelper
-
-    return RestoreHelper()

@@ -4,7 +4,9 @@ At bake time the frozen process listens on an abstract unix socket (no file to c
 listening) and blocks in accept(). After `criu restore` the bootstrap connects and sends one message: its
 environment (PORT, API_KEY... are read after restore, never baked), working directory, spawn time, the
 reasons faster paths were skipped, and (SCM_RIGHTS) its stdout and stderr, which the restored process puts
-in place of the /dev/null it was frozen with. The restored process answers "ok" once it has taken over.
+in place of the /dev/null it was frozen with, and for a gpu restore whose weights stream during the restore,
+the socket the CUDA restore helper hands them over on (snapshots/weights_during_restore.py). The restored
+process answers "ok" once it has taken over.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class Handoff:
     skipped: dict[str, str] = field(default_factory=dict)
     verify: bool = False  # faas-build's check that the image restores: take over, answer, exit 0
     restore_detail: dict[str, float] = field(default_factory=dict)  # seconds of CRIU's and CUDA's parts
+    weights_channel: bool = False  # a third descriptor: the helper's weights (see above)
 
 
 def socket_name(snapshot_id: str) -> str:
@@ -49,25 +52,28 @@ def listen(snapshot_id: str) -> socket.socket:
     return listener
 
 
-def receive(listener: socket.socket) -> tuple[Handoff, socket.socket]:
-    """Restored side: wait for the bootstrap, take over its stdout/stderr, environment and directory."""
+def receive(listener: socket.socket) -> tuple[Handoff, socket.socket, socket.socket | None]:
+    """Restored side: wait for the bootstrap, take over its stdout/stderr, environment and directory.
+    Returns the message, the connection (to acknowledge on) and the weights channel, if one came."""
     conn, _ = listener.accept()  # the frozen process sleeps here; CRIU restarts the call after restore
     listener.close()
     fds = array.array("i")
-    message, ancillary, _, _ = conn.recvmsg(_MAX_MESSAGE, socket.CMSG_SPACE(2 * fds.itemsize))
+    message, ancillary, _, _ = conn.recvmsg(_MAX_MESSAGE, socket.CMSG_SPACE(3 * fds.itemsize))
     for level, kind, data in ancillary:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
-    if len(fds) != 2:
-        raise HandoffError(f"expected stdout and stderr, got {len(fds)} descriptors")
+    handoff = Handoff(**orjson.loads(message))
+    expected = 3 if handoff.weights_channel else 2
+    if len(fds) != expected:
+        raise HandoffError(f"expected {expected} descriptors (stdout, stderr, weights channel), got {len(fds)}")
     for target, fd in zip((1, 2), fds):
         os.dup2(fd, target)
         os.close(fd)
-    handoff = Handoff(**orjson.loads(message))
+    channel = socket.socket(fileno=fds[2]) if handoff.weights_channel else None
     os.environ.clear()
     os.environ.update(handoff.environ)
     os.chdir(handoff.cwd)
-    return handoff, conn
+    return handoff, conn, channel
 
 
 def acknowledge(conn: socket.socket) -> None:
@@ -75,8 +81,9 @@ def acknowledge(conn: socket.socket) -> None:
     conn.close()
 
 
-def send(snapshot_id: str, handoff: Handoff, timeout: float) -> None:
-    """Bootstrap side: connect to the restored process, hand it over, wait for its "ok"."""
+def send(snapshot_id: str, handoff: Handoff, timeout: float, channel: socket.socket | None = None) -> None:
+    """Bootstrap side: connect to the restored process, hand it over (with CHANNEL, the weights' socket, when
+    `handoff.weights_channel`), wait for its "ok"."""
     deadline = time.monotonic() + timeout
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         while True:
@@ -88,8 +95,9 @@ def send(snapshot_id: str, handoff: Handoff, timeout: float) -> None:
                     raise HandoffError("the restored process is not listening for the handoff") from None
                 time.sleep(0.005)
         sock.settimeout(max(0.1, deadline - time.monotonic()))
+        fds = [1, 2, channel.fileno()] if handoff.weights_channel else [1, 2]
         sock.sendmsg([orjson.dumps(asdict(handoff))],
-                     [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [1, 2]))])
+                     [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
         try:
             answer = sock.recv(len(ACK))
         except socket.timeout:

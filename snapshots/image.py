@@ -30,6 +30,7 @@ class SnapshotImage:
     verify_restore_s: float
     timings: dict[str, float] = field(default_factory=dict)
     pid_namespace: bool = True  # restored as the init of a new pid namespace (needs CAP_SYS_ADMIN)
+    weights_left_out: bool = False  # gpu: the weights' memory was released before the checkpoint
 
     @property
     def size_bytes(self) -> int:

@@ -38,8 +38,9 @@ class CriuHooks:
     """What a kind of snapshot adds around CRIU (gpu: the CUDA checkpoint and restore)."""
 
     before_dump: Callable[[int], None] | None = None
-    #: started before CRIU restores, so that its own start-up overlaps the restore; given the restored pid
-    start_restore_helper: Callable[[], "RestoreHelper"] | None = None
+    #: started before CRIU restores, so that its own start-up overlaps the restore; given the restored pid.
+    #: Called with the image and whether this restore is a boot (not the bake's check that it restores).
+    start_restore_helper: Callable[[SnapshotImage, bool], "RestoreHelper"] | None = None
     criu_options: list[str] = field(default_factory=list)
 
 
@@ -54,7 +55,7 @@ def bake_process_snapshot(settings: Settings, model_dir: Path, snapshot_dir: Pat
 
 
 def bake_snapshot(kind: str, settings: Settings, model_dir: Path, snapshot_dir: Path, hooks: CriuHooks,
-                  pid_namespace: bool | None = None) -> SnapshotImage:
+                  pid_namespace: bool | None = None, weights_left_out: bool = False) -> SnapshotImage:
     device = resolved_device(settings)
     if pid_namespace is None:
         # CUDA does not initialise inside a new pid namespace (cudaGetDeviceCount: error 304, seen on the
@@ -83,7 +84,7 @@ def bake_snapshot(kind: str, settings: Settings, model_dir: Path, snapshot_dir: 
                               fingerprint=current_fingerprint(settings, criu.version), model_dir=str(model_dir),
                               files=list_image_files(tmp), baked_at=time.time(), dump_s=round(dump_s, 3),
                               verify_restore_s=0.0, timings={"build_s": round(build_s, 3)},
-                              pid_namespace=pid_namespace)
+                              pid_namespace=pid_namespace, weights_left_out=weights_left_out)
         log.info("%s snapshot: dumped %.0f MB in %.2f s; checking that it restores", kind,
                  image.size_bytes / 1e6, dump_s)
         image.verify_restore_s = round(verify_restores(criu, tmp, image, hooks), 3)
@@ -116,7 +117,10 @@ def thaw(criu: Criu, directory: Path, image: SnapshotImage, message: handoff.Han
          hooks: CriuHooks) -> tuple[int, float]:
     """Restore and hand over; returns the running process's pid (our child) and the restore's seconds.
     Raises SnapshotError or HandoffError with nothing left running."""
-    helper = hooks.start_restore_helper() if hooks.start_restore_helper is not None else None
+    helper = None
+    if hooks.start_restore_helper is not None:
+        helper = hooks.start_restore_helper(image, not message.verify)
+    handed_over = False
     try:
         pid, restore_s = checkpoint.restore(criu, directory, hooks.criu_options)
         log.info("%s snapshot: CRIU restored pid %d in %.3f s", image.kind, pid, restore_s)
@@ -127,11 +131,14 @@ def thaw(criu: Criu, directory: Path, image: SnapshotImage, message: handoff.Han
             message.restore_detail["cuda_s"] = round(cuda_s, 4)
             log.info("%s snapshot: CUDA state of pid %d restored in %.3f s", image.kind, pid, cuda_s)
 
+        channel = helper.channel if helper is not None else None
+        message.weights_channel = channel is not None
         checkpoint.hand_over(pid, image.snapshot_id, message, HANDOFF_TIMEOUT_S,
-                             after_restore if helper is not None else None)
+                             after_restore if helper is not None else None, channel)
+        handed_over = True
     finally:
         if helper is not None:
-            helper.close()
+            helper.detach() if handed_over else helper.close()
     return pid, restore_s
 
 

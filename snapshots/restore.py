@@ -93,21 +93,17 @@ def _usable(kind: str, settings: Settings) -> tuple[Criu, SnapshotImage, "CriuHo
     if blockers:
         raise SkipPath("; ".join(blockers))
     check_fingerprint(image.fingerprint, current_fingerprint(settings, criu.version), kind)
-    return criu, image, _hooks(kind)
+    return criu, image, _hooks(kind, settings)
 
 
 def restore_gpu(settings: Settings, timeline: Timeline) -> "Engine":
     """The started engine the snapshot holds; if the image left its weights out, they have been streaming
-    back since the restore (snapshots/frozen.py) and the engine is ready once they are in."""
+    back since (or during) the restore (snapshots/frozen.py) and the engine is ready once they are in."""
     engine = _restored_engine("gpu", timeline)
     current = thawed.current
     if current.weights is not None:
-        reload = current.weights
-        reload.load.wait()
-        detail = {"bytes": engine.plan.total_bytes, "after_restore": True, "remap_s": reload.remap_s}
-        if hasattr(reload.load, "tier_stats"):
-            detail["tiers"] = reload.load.tier_stats()
-        timeline.record(stages.WEIGHTS, reload.started, time.time(), **detail)
+        started, detail = current.weights.wait()
+        timeline.record(stages.WEIGHTS, started, time.time(), **detail)
         current.weights = None
     return engine
 
@@ -166,11 +162,11 @@ def _restored_engine(kind: str, timeline: Timeline) -> "Engine":
     return current.engine
 
 
-def _hooks(kind: str) -> "CriuHooks":
+def _hooks(kind: str, settings: Settings) -> "CriuHooks":
     from snapshots.process import CriuHooks
 
     if kind == "process":
         return CriuHooks()
     from snapshots.gpu import gpu_hooks
 
-    return gpu_hooks()  # raises SkipPath without cuda-bindings
+    return gpu_hooks(settings.weights_during_restore)  # raises SkipPath without cuda-bindings

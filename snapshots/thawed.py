@@ -4,7 +4,7 @@ by the restore paths (snapshots/restore.py) when the bootstrap runs again inside
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from snapshots.handoff import Handoff
 
@@ -18,14 +18,16 @@ class Thawed:
     engine: "Engine"
     handoff: Handoff
     taken_over_at: float
-    weights: "WeightReload | None" = None  # gpu, weights left out of the image: streaming since the restore
+    weights: "WeightReload | None" = None  # gpu, weights left out of the image: coming back since the restore
 
 
-@dataclass
-class WeightReload:
-    load: object     # the engine's WeightLoad (its wait() is the end)
-    started: float   # time.time() when memory was mapped back
-    remap_s: float   # how long mapping the released ranges again took
+class WeightReload(Protocol):
+    """The weights of a weight-less gpu image on their way back: streamed by the restored process after the
+    restore (snapshots/frozen.py) or during it by the CUDA restore helper (snapshots/weights_during_restore.py)."""
+
+    def wait(self) -> tuple[float, dict]:
+        """Block until they are in; returns (time.time() they started arriving, the timeline's detail)."""
+        ...
 
 
 #: None in every process but one restored from a snapshot

@@ -33,3 +33,42 @@ def test_layout_streams_to_the_gpu_byte_for_byte_and_text_is_unchanged(tiny_mode
 
     settings = cpu_settings(tmp_path / "cache", DEVICE="cuda", DTYPE="bfloat16", ENFORCE_EAGER="1")
     assert greedy(start(str(layout), settings)) == greedy(start(src, settings))
+
+
+def test_weights_streamed_by_a_torch_free_process_map_under_the_engines_range(tiny_model, tmp_path):
+    """The gpu restore's handover (snapshots/weights_during_restore.py) without CRIU: another process, which
+    never imports torch, streams a layout into exportable memory; this one maps it under a released weight
+    range and reads the same bytes as the torch loader wrote."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from runtime.engine.vmm import ReleasableBuffer
+    from snapshots.weights_during_restore import ACK, receive_report
+
+    src = tiny_model("tiny-qwen3")
+    layout = tmp_path / "layout"
+    write_layout(src, str(layout), dtype="bfloat16", file_bytes=100_000, chunk_bytes=40_000, progress=False)
+    plan = plan_weights(ModelConfig.from_dir(src), "bfloat16")
+    expected = torch.zeros(plan.total_bytes, dtype=torch.uint8, device="cuda")
+    layout_loader(layout)(plan, expected).wait()
+
+    weights = ReleasableBuffer(plan.total_bytes, torch.device("cuda"))
+    weights.release()
+    ours, theirs = socket.socketpair()
+    script = ("import socket, sys; from pathlib import Path; "
+              "from snapshots.weights_during_restore import stream_for_handover; "
+              "stream_for_handover(Path(sys.argv[1]), socket.socket(fileno=int(sys.argv[2]))); "
+              "sys.exit(3 if 'torch' in sys.modules else 0)")
+    helper = subprocess.Popen([sys.executable, "-c", script, str(layout), str(theirs.fileno())],
+                              pass_fds=(theirs.fileno(),))
+    theirs.close()
+    report, fd = receive_report(ours)
+    assert report.ok, report.reason
+    assert report.bytes == plan.total_bytes and report.finished >= report.started > 0
+    weights.adopt(fd, report.size)
+    os.close(fd)
+    ours.sendall(ACK)
+    assert helper.wait(timeout=60) == 0  # 3: it imported torch
+    assert torch.equal(weights.tensor[:plan.total_bytes], expected)

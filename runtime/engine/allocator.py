@@ -61,10 +61,15 @@ class DeviceAllocator:
             owner.release()
         return sum(owner.size for owner in self._releasable.values())
 
-    def remap(self) -> None:
-        """New (uninitialised) physical memory under every released buffer, at the same addresses."""
-        for owner in self._releasable.values():
-            owner.remap()
+    def remap(self, skip: tuple[str, ...] = ()) -> None:
+        """New (uninitialised) physical memory under every released buffer but SKIP, at the same addresses."""
+        for name, owner in self._releasable.items():
+            if name not in skip:
+                owner.remap()
+
+    def releasable(self, name: str):
+        """The ReleasableBuffer behind allocation NAME, or None."""
+        return self._releasable.get(name)
 
     @property
     def released(self) -> bool:

@@ -21,7 +21,7 @@ from runtime.engine.model_config import ModelConfig
 from runtime.engine.models.llama import LlamaForCausalLM, bind_weights
 from runtime.engine.scheduler import ScheduledBatch
 from runtime.engine.sequence import PENDING, Sequence
-from runtime.engine.weight_plan import DTYPES, WeightPlan, tensor_views
+from runtime.engine.weight_plan import WeightPlan, tensor_views, torch_dtype
 
 PREFILL_BLOCK_Q = 16
 #: a CUDA context with torch's kernels loaded (about 500 MiB on an H100), created before anything is measured
@@ -64,7 +64,7 @@ class ModelRunner:
         self.model_config = model_config
         self.config = config
         self.device = torch.device(config.device)
-        self.dtype = DTYPES[config.dtype]
+        self.dtype = torch_dtype(config.dtype)
         self.allocator = DeviceAllocator(self.device)
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = -(-max_model_len // config.block_size)

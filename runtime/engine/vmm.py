@@ -42,12 +42,8 @@ class ReleasableBuffer:
     def mapped(self) -> bool:
         return self._handle is not None
 
-    def remap(self) -> None:
-        """Back the reserved range with new (uninitialised) physical memory."""
-        if self._handle is not None:
-            return
+    def _map(self, handle) -> None:
         d = self._driver
-        handle = self._call("cuMemCreate", self.size, self._prop, 0)
         try:
             self._call("cuMemMap", self.ptr, self.size, 0, handle, 0)
         except VmmError:
@@ -59,6 +55,25 @@ class ReleasableBuffer:
         access.flags = d.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         self._call("cuMemSetAccess", self.ptr, self.size, [access], 1)
         self._handle = handle
+
+    def adopt(self, fd: int, size: int) -> None:
+        """Back the reserved range with physical memory another process made and exported as a POSIX file
+        descriptor (the CUDA restore helper, which filled it with the weights: snapshots/weights_during_restore.py).
+        The caller still owns FD."""
+        if self._handle is not None:
+            raise VmmError("adopt: the range is already mapped")
+        if size != self.size:
+            raise VmmError(f"adopt: {size} bytes exported for a range of {self.size}")
+        d = self._driver
+        handle = self._call("cuMemImportFromShareableHandle", fd,
+                            d.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
+        self._map(handle)
+
+    def remap(self) -> None:
+        """Back the reserved range with new (uninitialised) physical memory."""
+        if self._handle is not None:
+            return
+        self._map(self._call("cuMemCreate", self.size, self._prop, 0))
 
     def release(self) -> None:
         """Give the physical memory back; the address range stays reserved. Nothing may touch the buffer

@@ -10,14 +10,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from runtime.engine.model_config import ModelConfig
 
+if TYPE_CHECKING:
+    import torch
+
 ALIGNMENT = 4096
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: bytes per element of each weight dtype; torch is not imported for it, so a manifest can be read without
+#: torch (the CUDA restore helper streams weights and must start fast)
+ITEMSIZES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 @dataclass(frozen=True)
@@ -64,7 +68,7 @@ class WeightPlan:
 
 
 def plan_weights(config: ModelConfig, dtype: str, alignment: int = ALIGNMENT) -> WeightPlan:
-    itemsize = torch.empty((), dtype=DTYPES[dtype]).element_size()
+    itemsize = ITEMSIZES[dtype]
     tensors: list[PlannedTensor] = []
     offset = 0
 
@@ -105,7 +109,13 @@ def plan_weights(config: ModelConfig, dtype: str, alignment: int = ALIGNMENT) ->
     return WeightPlan(dtype, alignment, offset, tuple(tensors))
 
 
-def tensor_views(buffer: torch.Tensor, plan: WeightPlan) -> dict[str, torch.Tensor]:
+def torch_dtype(name: str) -> "torch.dtype":
+    import torch
+
+    return getattr(torch, name)
+
+
+def tensor_views(buffer: "torch.Tensor", plan: WeightPlan) -> dict[str, "torch.Tensor"]:
     """Typed views into the flat uint8 weight buffer, one per planned tensor."""
-    dtype = DTYPES[plan.dtype]
+    dtype = torch_dtype(plan.dtype)
     return {t.name: buffer[t.offset:t.offset + t.nbytes].view(dtype).view(t.shape) for t in plan.tensors}

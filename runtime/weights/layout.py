@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from runtime.engine.model_config import ModelConfig
-from runtime.engine.weight_plan import DTYPES, PlannedTensor, WeightPlan, plan_weights
+from runtime.engine.weight_plan import ITEMSIZES, PlannedTensor, WeightPlan, plan_weights, torch_dtype
 from runtime.logs import get_logger
 from runtime.weights.errors import WeightsError
 from runtime.weights.manifest import (
@@ -50,8 +50,8 @@ def write_layout(source: str, out: str, *, dtype: str = "bfloat16", file_bytes: 
                  progress: bool = True) -> Manifest:
     """Build the layout of `source` at `out` (a local directory that must not exist yet, or an s3:// prefix
     without a manifest.json). Returns its manifest."""
-    if dtype not in DTYPES:
-        raise WeightsError(f"dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    if dtype not in ITEMSIZES:
+        raise WeightsError(f"dtype {dtype!r}: choose one of {', '.join(ITEMSIZES)}")
     if hash not in HASHES:
         raise WeightsError(f"hash {hash!r}: choose one of {', '.join(HASHES)}")
     if chunk_bytes <= 0 or file_bytes <= 0:
@@ -152,7 +152,7 @@ def _write_local(model_dir: Path, out: Path, dtype: str, file_bytes: int, chunk_
     with _SafetensorsDir(model_dir) as source:
         for i, (start, end, planned) in enumerate(groups):
             name = f"weights-{i:05d}.bin"
-            _write_file(out / name, start, end, planned, source, DTYPES[dtype], bar)
+            _write_file(out / name, start, end, planned, source, torch_dtype(dtype), bar)
             files.append(FileEntry(name, start, end - start, chunk_bytes, hash_chunks(out / name, chunk_bytes, hash)))
             tensors += [TensorEntry(t.name, dtype, t.shape, name, t.offset - start, t.nbytes) for t in planned]
             if on_file is not None:

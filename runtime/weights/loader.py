@@ -21,8 +21,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from runtime import timeline as stages
 from runtime.engine.weight_plan import WeightPlan
@@ -32,6 +31,9 @@ from runtime.weights.cache import DiskCache
 from runtime.weights.errors import WeightsError
 from runtime.weights.manifest import FileEntry, Manifest, chunk_hasher
 from runtime.weights.s3 import S3Store
+
+if TYPE_CHECKING:
+    import torch
 
 log = get_logger("weights.loader")
 
@@ -91,11 +93,12 @@ def check_plan(manifest: Manifest, plan: WeightPlan, where: str) -> None:
 class WeightStream:
     """One load in flight: the object `LoadWeights` returns."""
 
-    def __init__(self, manifest: Manifest, sources: list, buffer: torch.Tensor, options: LoaderOptions,
+    def __init__(self, manifest: Manifest, sources: list, sink, options: LoaderOptions,
                  where: str, timeline: Timeline | None = None) -> None:
+        """SINK: where the bytes go (runtime/weights/sinks.py)."""
         self.manifest = manifest
         self.sources = sources
-        self.buffer = buffer
+        self.sink = sink
         self.options = options
         self.where = where
         self.timeline = timeline
@@ -109,13 +112,6 @@ class WeightStream:
         self._error: BaseException | None = None
         self._stats: dict[str, TierStats] = {}
         self._lock = threading.Lock()
-        self._local = threading.local()
-        self._cuda = buffer.device.type == "cuda"
-        self._ready_to_write = None
-        if self._cuda:  # whatever the caller queued on the buffer comes before the copies
-            self._ready_to_write = torch.cuda.Event()
-            self._ready_to_write.record(torch.cuda.current_stream(buffer.device))
-        self._host = None if self._cuda else memoryview(buffer.numpy())
         self._threads = [threading.Thread(target=self._reader, name=f"weights-reader-{i}", daemon=True)
                          for i in range(options.reader_threads(len(self.chunks)))]
         self._finished = False
@@ -135,8 +131,7 @@ class WeightStream:
             while not self._landed[i].wait(0.05):
                 self._raise_if_failed()
             self._raise_if_failed()
-            for event in self._copied[i]:
-                torch.cuda.current_stream(self.buffer.device).wait_event(event)
+            self.sink.wait_copies(self._copied[i])
 
     def wait(self) -> "WeightStream":
         for t in self._threads:
@@ -160,34 +155,22 @@ class WeightStream:
     # -- the readers -------------------------------------------------------------------------------
 
     def _reader(self) -> None:
+        writer = None
         try:
-            slots = self._pinned_slots()
-            turn = 0
+            slot_bytes = min(self.options.read_bytes, max(c.length for c in self.chunks))
+            writer = self.sink.writer(slot_bytes, self.options.slots_per_thread)
             while self._error is None:
                 try:
                     i = self._todo.get_nowait()
                 except queue.Empty:
-                    return
-                turn = self._load_chunk(i, slots, turn)
+                    break
+                self._load_chunk(i, writer)
+            writer.close()
         except BaseException as exc:  # noqa: BLE001 - handed to wait()
             with self._lock:
                 self._error = self._error or exc
 
-    def _pinned_slots(self) -> list[tuple[torch.Tensor, memoryview, list]]:
-        """This reader's ring of pinned buffers, and its own copy stream (one stream shared by every reader
-        would make each reader wait behind the others' copies before reusing a slot)."""
-        if not self._cuda:
-            return []
-        torch.cuda.set_device(self.buffer.device)
-        self._local.stream = torch.cuda.Stream(self.buffer.device)
-        self._local.stream.wait_event(self._ready_to_write)
-        size = min(self.options.read_bytes, max(c.length for c in self.chunks))
-        host = torch.empty(size * self.options.slots_per_thread, dtype=torch.uint8, pin_memory=True)
-        view = memoryview(host.numpy())
-        return [(host[k * size:(k + 1) * size], view[k * size:(k + 1) * size], [None])
-                for k in range(self.options.slots_per_thread)]
-
-    def _load_chunk(self, i: int, slots: list, turn: int) -> int:
+    def _load_chunk(self, i: int, writer) -> None:
         chunk = self.chunks[i]
         source = self.sources[chunk.file]
         digest = chunk_hasher(self.manifest.hash) if self.options.verify else None
@@ -195,23 +178,12 @@ class WeightStream:
         for off in range(0, chunk.length, self.options.read_bytes):
             n = min(self.options.read_bytes, chunk.length - off)
             dst = chunk.buffer_offset + off
-            if not self._cuda:
-                piece = self._host[dst:dst + n]
-                source.read_into(chunk.offset + off, piece)
-                digest and digest.update(piece)
-                continue
-            host, view, pending = slots[turn % len(slots)]
-            turn += 1
-            if pending[0] is not None:
-                pending[0].synchronize()  # the slot's previous copy has left it
-            source.read_into(chunk.offset + off, view[:n])
-            digest and digest.update(view[:n])
-            stream = self._local.stream
-            with torch.cuda.stream(stream):
-                self.buffer[dst:dst + n].copy_(host[:n], non_blocking=True)
-                pending[0] = torch.cuda.Event()
-                pending[0].record(stream)
-            self._copied[i].append(pending[0])
+            piece = writer.slot(dst, n)
+            source.read_into(chunk.offset + off, piece)
+            digest and digest.update(piece)
+            copied = writer.commit(dst, n)
+            if copied is not None:
+                self._copied[i].append(copied)
         if digest is not None and digest.hexdigest() != chunk.digest:
             entry: FileEntry = self.manifest.files[chunk.file]
             raise WeightsError(f"{self.where}: {entry.name} chunk {chunk.index} (bytes {chunk.offset}-"
@@ -221,7 +193,6 @@ class WeightStream:
         with self._lock:
             self._stats.setdefault(source.tier, TierStats()).add(chunk.length, start, time.time())
         self._landed[i].set()
-        return turn
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
@@ -241,12 +212,15 @@ class WeightStream:
             stage.detail["tiers"] = tiers
 
 
-def stream_layout(manifest: Manifest, sources: list, plan: WeightPlan, buffer: torch.Tensor,
+def stream_layout(manifest: Manifest, sources: list, plan: WeightPlan, buffer: "torch.Tensor",
                   options: LoaderOptions, where: str, timeline: Timeline | None = None) -> WeightStream:
+    from runtime.weights.sinks import HostSink, TorchCudaSink
+
     check_plan(manifest, plan, where)
     if buffer.numel() < manifest.total_bytes:
         raise WeightsError(f"{where}: weight buffer of {buffer.numel()} bytes, the layout has {manifest.total_bytes}")
-    return WeightStream(manifest, sources, buffer, options, where, timeline)
+    sink = TorchCudaSink(buffer) if buffer.device.type == "cuda" else HostSink(buffer)
+    return WeightStream(manifest, sources, sink, options, where, timeline)
 
 
 def layout_loader(layout_dir: Path, options: LoaderOptions | None = None, timeline: Timeline | None = None,
@@ -258,7 +232,7 @@ def layout_loader(layout_dir: Path, options: LoaderOptions | None = None, timeli
     layout_dir = Path(layout_dir)
     options = options or LoaderOptions()
 
-    def load(plan: WeightPlan, buffer: torch.Tensor) -> WeightStream:
+    def load(plan: WeightPlan, buffer: "torch.Tensor") -> WeightStream:
         manifest = Manifest.read(layout_dir)
         s3 = store or S3Store()  # boto3 is imported only if a file is streamed from S3
         sources = open_sources(layout_dir, manifest, cache, s3)

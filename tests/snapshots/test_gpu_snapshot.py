@@ -24,12 +24,21 @@ def greedy_text(server) -> str:
     return r.choices[0].text
 
 
+def weights_stage(state: dict) -> dict:
+    return next(s for s in state["stages"] if s["stage"] == "weights")
+
+
 def test_gpu_snapshot_serves_like_a_cold_start(tiny_model_dir, tmp_path):
-    """Both kinds of gpu snapshot: weights and KV cache streamed back after restore (the default, a small
-    image), and everything in the image."""
+    """Both kinds of gpu snapshot: weights and KV cache left out of the image (the default: a small image,
+    the weights streamed by the CUDA restore helper during the restore, or by the restored process after
+    it), and everything in the image."""
+    from runtime.weights.layout import write_layout
     from snapshots.gpu import bake_gpu_snapshot
 
-    cold = start_server(tmp_path, "cold", MODEL=str(tiny_model_dir), API_KEY=API_KEY, **GPU_ENV)
+    layout = tmp_path / "layout"  # the helper streams faas-build layouts: what a function's image holds
+    write_layout(str(tiny_model_dir), str(layout), dtype="bfloat16", file_bytes=1 << 20, chunk_bytes=1 << 18,
+                 progress=False)
+    cold = start_server(tmp_path, "cold", MODEL=str(layout), API_KEY=API_KEY, **GPU_ENV)
     try:
         cold.wait_ready(timeout=300)
         cold_text = greedy_text(cold)
@@ -37,24 +46,55 @@ def test_gpu_snapshot_serves_like_a_cold_start(tiny_model_dir, tmp_path):
         cold.stop()
 
     sizes = {}
-    for weights in ("stream", "image"):
+    runs = [("stream", "1", "during"), ("stream", "0", "after"), ("image", "1", None)]
+    for weights, during_restore, expect in runs:
         env = {**GPU_ENV, "GPU_SNAPSHOT_WEIGHTS": weights}
         snapshot_dir = tmp_path / f"snapshots-{weights}"
-        image = bake_gpu_snapshot(Settings.from_env({"MODEL": str(tiny_model_dir), **env}), tiny_model_dir,
-                                  snapshot_dir)
-        assert SnapshotImage.read(snapshot_dir / "gpu").fingerprint.gpu_model == image.fingerprint.gpu_model != "none"
-        sizes[weights] = image.size_bytes
-        server = start_server(tmp_path, f"gpu-{weights}", MODEL=str(tiny_model_dir), SNAPSHOT_DIR=str(snapshot_dir),
-                              API_KEY=API_KEY, **env)
+        if weights not in sizes:
+            image = bake_gpu_snapshot(Settings.from_env({"MODEL": str(layout), **env}), layout, snapshot_dir)
+            assert SnapshotImage.read(snapshot_dir / "gpu").fingerprint.gpu_model == image.fingerprint.gpu_model != "none"
+            assert image.weights_left_out == (weights == "stream")
+            sizes[weights] = image.size_bytes
+        server = start_server(tmp_path, f"gpu-{weights}-{during_restore}", MODEL=str(layout),
+                              SNAPSHOT_DIR=str(snapshot_dir), API_KEY=API_KEY, WEIGHTS_DURING_RESTORE=during_restore,
+                              **env)
         try:
             server.wait_ready(timeout=120)
             state = httpx.get(f"{server.url}/health", timeout=5).json()
             assert state["restore_path"] == "gpu", state
             assert "restore" in state["timeline"]
-            # streamed: the weights stage is the load after the restore; in the image: no load at all
-            assert ("weights" in state["timeline"]) == (weights == "stream"), state["timeline"]
+            # left out: the weights stage is their way back; in the image: no load at all
+            assert ("weights" in state["timeline"]) == (expect is not None), state["timeline"]
+            if expect is not None:
+                detail = weights_stage(state)["detail"]
+                assert detail.get("during_restore", False) == (expect == "during"), detail
+                assert detail.get("after_restore", False) == (expect == "after"), detail
             assert greedy_text(server) == cold_text
         finally:
             assert server.stop() == 0
     # the KV cache (most of the 2.4 GB the engine holds at GPU_MEMORY_UTILIZATION=0.03) is not in the image
     assert sizes["image"] - sizes["stream"] > 1e9, sizes
+
+
+def test_a_helper_that_cannot_stream_leaves_it_to_the_restored_process(tiny_model_dir, tmp_path):
+    """A model directory that is not a layout (the helper streams layouts only): the restored process loads
+    the weights itself, says why in the weights stage, and serves the same text."""
+    from snapshots.gpu import bake_gpu_snapshot
+
+    env = {**GPU_ENV, "GPU_SNAPSHOT_WEIGHTS": "stream"}
+    snapshot_dir = tmp_path / "snapshots"
+    bake_gpu_snapshot(Settings.from_env({"MODEL": str(tiny_model_dir), **env}), tiny_model_dir, snapshot_dir)
+    texts = []
+    for name in ("cold", "gpu"):
+        server = start_server(tmp_path, name, MODEL=str(tiny_model_dir), API_KEY=API_KEY, **env,
+                              **({"SNAPSHOT_DIR": str(snapshot_dir)} if name == "gpu" else {}))
+        try:
+            server.wait_ready(timeout=300)
+            state = httpx.get(f"{server.url}/health", timeout=5).json()
+            texts.append(greedy_text(server))
+        finally:
+            assert server.stop() == 0
+    assert state["restore_path"] == "gpu", state
+    detail = weights_stage(state)["detail"]
+    assert detail["after_restore"] and "not a faas-build layout" in detail["helper"], detail
+    assert texts[0] == texts[1]

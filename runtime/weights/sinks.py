@@ -1,0 +1,183 @@
+"""Where the loader's bytes go (runtime/weights/loader.py): the weight buffer in host memory, a torch CUDA
+buffer, or raw device memory through the driver API.
+
+Every reader thread opens its own `Writer`. For each piece it asks `slot(dst, n)` for host memory to read
+into, then `commit(dst, n)`: on the host the slot already is the buffer, on a GPU the piece is copied from a pinned
+slot on the writer's own stream and the returned event marks when it has landed. The driver sink exists for
+the CUDA restore helper, which streams weights while CRIU restores the process and cannot afford to import
+torch (seconds) first (snapshots/weights_during_restore.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+
+class Writer(Protocol):
+    def slot(self, dst: int, n: int) -> memoryview: ...
+    def commit(self, dst: int, n: int) -> object | None: ...
+    def close(self) -> None: ...
+
+
+class HostSink:
+    """The buffer is host memory: pieces are read straight into it."""
+
+    def __init__(self, buffer: "torch.Tensor") -> None:
+        self._host = memoryview(buffer.numpy())
+
+    def writer(self, slot_bytes: int, slots: int) -> "_HostWriter":
+        return _HostWriter(self._host)
+
+    def wait_copies(self, events: list) -> None:
+        pass
+
+
+class _HostWriter:
+    def __init__(self, host: memoryview) -> None:
+        self._host = host
+
+    def slot(self, dst: int, n: int) -> memoryview:
+        return self._host[dst:dst + n]
+
+    def commit(self, dst: int, n: int) -> None:
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+class TorchCudaSink:
+    """A torch CUDA buffer; pinned slots from torch's host allocator, one side stream per reader (one stream
+    shared by every reader would make each wait behind the others' copies before reusing a slot)."""
+
+    def __init__(self, buffer: "torch.Tensor") -> None:
+        import torch
+
+        self.buffer = buffer
+        self._ready = torch.cuda.Event()  # whatever the caller queued on the buffer comes before the copies
+        self._ready.record(torch.cuda.current_stream(buffer.device))
+
+    def writer(self, slot_bytes: int, slots: int) -> "_TorchCudaWriter":
+        return _TorchCudaWriter(self, slot_bytes, slots)
+
+    def wait_copies(self, events: list) -> None:
+        """Make the caller's current stream wait for these copies."""
+        import torch
+
+        stream = torch.cuda.current_stream(self.buffer.device)
+        for event in events:
+            stream.wait_event(event)
+
+
+class _TorchCudaWriter:
+    def __init__(self, sink: TorchCudaSink, slot_bytes: int, slots: int) -> None:
+        import torch
+
+        self._torch = torch
+        self._buffer = sink.buffer
+        torch.cuda.set_device(sink.buffer.device)
+        self._stream = torch.cuda.Stream(sink.buffer.device)
+        self._stream.wait_event(sink._ready)
+        host = torch.empty(slot_bytes * slots, dtype=torch.uint8, pin_memory=True)
+        view = memoryview(host.numpy())
+        self._slots = [(host[k * slot_bytes:(k + 1) * slot_bytes], view[k * slot_bytes:(k + 1) * slot_bytes], [None])
+                       for k in range(slots)]
+        self._turn = 0
+
+    def slot(self, dst: int, n: int) -> memoryview:
+        _, view, pending = self._slots[self._turn % len(self._slots)]
+        if pending[0] is not None:
+            pending[0].synchronize()  # the slot's previous copy has left it
+        return view[:n]
+
+    def commit(self, dst: int, n: int) -> object:
+        torch = self._torch
+        host, _, pending = self._slots[self._turn % len(self._slots)]
+        self._turn += 1
+        with torch.cuda.stream(self._stream):
+            self._buffer[dst:dst + n].copy_(host[:n], non_blocking=True)
+            pending[0] = torch.cuda.Event()
+            pending[0].record(self._stream)
+        return pending[0]
+
+    def close(self) -> None:
+        pass  # the pinned slots go back to torch's cache; a frozen runtime empties it (snapshots/frozen.py)
+
+
+class DriverSink:
+    """`nbytes` of device memory at `ptr` in the current CUDA context, written through cuda-bindings (no
+    torch). `commit` returns no event: the owner waits for the whole load (each writer's close() drains its
+    stream)."""
+
+    def __init__(self, ptr: int, nbytes: int, context) -> None:
+        self.ptr = ptr
+        self.nbytes = nbytes
+        self.context = context
+
+    def writer(self, slot_bytes: int, slots: int) -> "_DriverWriter":
+        return _DriverWriter(self, slot_bytes, slots)
+
+    def wait_copies(self, events: list) -> None:
+        pass
+
+
+class _DriverWriter:
+    def __init__(self, sink: DriverSink, slot_bytes: int, slots: int) -> None:
+        from cuda.bindings import driver
+
+        self._d = driver
+        self._sink = sink
+        call(driver.cuCtxSetCurrent(sink.context), "cuCtxSetCurrent")
+        self._stream = call(driver.cuStreamCreate(driver.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+        self._host = int(call(driver.cuMemHostAlloc(slot_bytes * slots, 0), "cuMemHostAlloc"))
+        self._size = slot_bytes
+        whole = (ctypes.c_char * (slot_bytes * slots)).from_address(self._host)
+        view = memoryview(whole).cast("B")
+        self._slots = [(self._host + k * slot_bytes, view[k * slot_bytes:(k + 1) * slot_bytes],
+                        call(driver.cuEventCreate(driver.CUevent_flags.CU_EVENT_DISABLE_TIMING), "cuEventCreate"),
+                        [False]) for k in range(slots)]
+        self._turn = 0
+
+    def slot(self, dst: int, n: int) -> memoryview:
+        _, view, event, pending = self._slots[self._turn % len(self._slots)]
+        if pending[0]:
+            call(self._d.cuEventSynchronize(event), "cuEventSynchronize")
+        return view[:n]
+
+    def commit(self, dst: int, n: int) -> None:
+        d = self._d
+        if dst + n > self._sink.nbytes:
+            raise ValueError(f"a write of bytes {dst}-{dst + n} past a {self._sink.nbytes}-byte buffer")
+        host, _, event, pending = self._slots[self._turn % len(self._slots)]
+        self._turn += 1
+        call(d.cuMemcpyHtoDAsync(self._sink.ptr + dst, host, n, self._stream), "cuMemcpyHtoDAsync")
+        call(d.cuEventRecord(event, self._stream), "cuEventRecord")
+        pending[0] = True
+        return None
+
+    def close(self) -> None:
+        d = self._d
+        call(d.cuStreamSynchronize(self._stream), "cuStreamSynchronize")
+        for _, _, event, _ in self._slots:
+            d.cuEventDestroy(event)
+        d.cuStreamDestroy(self._stream)
+        d.cuMemFreeHost(self._host)
+
+
+class DriverError(RuntimeError):
+    pass
+
+
+def call(result: tuple, name: str):
+    """The value of a cuda-bindings call (its first element is the CUresult), or DriverError naming it."""
+    from cuda.bindings import driver
+
+    err = result[0]
+    if err != driver.CUresult.CUDA_SUCCESS:
+        _, text = driver.cuGetErrorName(err)
+        raise DriverError(f"{name}: {text.decode() if isinstance(text, bytes) else text}")
+    return result[1] if len(result) == 2 else (result[1:] if len(result) > 2 else None)
