@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Sequence
 
 from runtime.bench import BenchError
-from runtime.bench.records import ALL_MODES, SERVER_MODES
+from runtime.bench.records import ALL_MODES, SERVER_MODES, VARIANTS
 from runtime.config import ConfigError, Settings
 from runtime.logs import setup_logging
 
@@ -108,8 +108,9 @@ def _parser() -> argparse.ArgumentParser:
 
     cold = sub.add_parser("coldstart", parents=[common], help="spawn -> first token per restore path",
                           description="Start a fresh server per mode and repetition; time spawn -> first token.")
-    cold.add_argument("--modes", type=_modes(ALL_MODES), default=ALL_MODES,
-                      help=f"comma-separated, among {','.join(ALL_MODES)} (default: all)")
+    cold.add_argument("--modes", type=_modes(ALL_MODES + tuple(VARIANTS)), default=ALL_MODES,
+                      help=f"comma-separated, among {','.join(ALL_MODES + tuple(VARIANTS))} (default: "
+                           f"{','.join(ALL_MODES)}; gpu-after: gpu with WEIGHTS_DURING_RESTORE=0)")
     cold.add_argument("--repeat", type=_positive(int), default=3, help="runs per mode (3)")
     cold.add_argument("--page-cache", choices=("warm", "dropped"), default="warm",
                       help="warm: files read once before the runs; dropped: drop_caches before each (root)")

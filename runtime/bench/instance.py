@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 
 from runtime.bench import BenchError
+from runtime.bench.records import VARIANTS
 
 #: the checkout the bench runs from; the processes it starts import the same one
 SOURCE_ROOT = Path(__file__).resolve().parents[2]
@@ -60,12 +61,13 @@ class Instance:
     def spawn(cls, mode: str, settings: dict[str, str], log_path: Path) -> "Instance":
         port = free_port()
         log_path.parent.mkdir(parents=True, exist_ok=True)
+        path, changed = VARIANTS.get(mode, (mode, {}))
         spawned_at = time.time()
         with open(log_path, "wb") as log:
             # its own process group: stop() reaches whatever the bootstrap starts (a CRIU restore, workers)
             process = subprocess.Popen([sys.executable, "-m", "runtime.bootstrap"], cwd=SOURCE_ROOT,
-                                       env=child_environment(settings | {"PORT": str(port), "HOST": "127.0.0.1",
-                                                                         "RESTORE": mode}, spawned_at),
+                                       env=child_environment(settings | changed | {
+                                           "PORT": str(port), "HOST": "127.0.0.1", "RESTORE": path}, spawned_at),
                                        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         return cls(mode, process, port, spawned_at, log_path)
 
@@ -97,9 +99,10 @@ class Instance:
 
     def check_restore_path(self) -> None:
         """Raise ModeUnavailable unless the ready server took the path this instance was started for."""
+        path = VARIANTS.get(self.mode, (self.mode,))[0]
         taken = self.health.get("restore_path")
-        if taken != self.mode:
-            raise ModeUnavailable(self.health.get("skipped", {}).get(self.mode) or f"the server took the {taken} path")
+        if taken != path:
+            raise ModeUnavailable(self.health.get("skipped", {}).get(path) or f"the server took the {taken} path")
 
     async def fetch_health(self, client: httpx.AsyncClient) -> dict:
         response = await client.get(f"{self.url}/health", timeout=10)

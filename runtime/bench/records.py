@@ -11,6 +11,9 @@ from runtime.timeline import STAGE_ORDER
 SERVER_MODES = ("gpu", "process", "materialized", "cold")
 BASELINE_MODE = "transformers"
 ALL_MODES = SERVER_MODES + (BASELINE_MODE,)
+#: a restore path with one setting changed, to compare the two in one run (never run unless named):
+#: gpu-after streams a weight-less gpu image's weights after the restore instead of during it
+VARIANTS = {"gpu-after": ("gpu", {"WEIGHTS_DURING_RESTORE": "0"})}
 
 
 @dataclass
