@@ -35,7 +35,7 @@ def test_gpu_snapshot_serves_like_a_cold_start(tiny_model_dir, tmp_path):
     from runtime.weights.layout import write_layout
     from snapshots.gpu import bake_gpu_snapshot
 
-    layout = tmp_path / "layout"  # the helper streams faas-build layouts: what a function's image holds
+    layout = tmp_path / "layout" / "tiny-llama"  # the helper streams faas-build layouts, as a function's image holds
     write_layout(str(tiny_model_dir), str(layout), dtype="bfloat16", file_bytes=1 << 20, chunk_bytes=1 << 18,
                  progress=False)
     cold = start_server(tmp_path, "cold", MODEL=str(layout), API_KEY=API_KEY, **GPU_ENV)
