@@ -11,6 +11,9 @@ For each shape (a random-weight model of a real shape, scripts/model_shapes.py),
   safetensors     safetensors load_file, then .to(device), tensor by tensor
   transformers    AutoModelForCausalLM.from_pretrained(dtype=bfloat16) then .to(device) (page cache only)
   loader_s3       the loader from a moto S3 server on loopback (--s3-shapes), then again from the disk cache
+  loader_driver   the loader through the driver API with no torch (DriverSink), as the CUDA restore helper
+                  streams a gpu snapshot's weights during the restore (GPU only)
+  --sweep         the loader (verified) over a grid of reader threads x read size x pinned slots per reader
 each from the page cache (warm) and, as root, from cold disk (echo 3 > /proc/sys/vm/drop_caches first).
 Prints a table and writes JSON to --out.
 
@@ -103,6 +106,34 @@ def load_layout(layout: Path, device: str, options: LoaderOptions, cache=None) -
     layout_loader(layout, options, cache=cache)(manifest.plan, buffer).wait()
 
 
+def load_layout_driver(layout: Path, options: LoaderOptions) -> None:
+    """As the restore helper does: LocalFile sources, a DriverSink over device memory, no torch in the path."""
+    from cuda.bindings import driver
+
+    from runtime.weights.loader import WeightStream
+    from runtime.weights.sinks import DriverSink, call
+    from runtime.weights.sources import LocalFile
+
+    manifest = Manifest.read(layout)
+    buffer = torch.empty(manifest.total_bytes, dtype=torch.uint8, device="cuda")
+    context = call(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
+    sources = [LocalFile(layout / f.name) for f in manifest.files]
+    WeightStream(manifest, sources, DriverSink(buffer.data_ptr(), manifest.total_bytes, context), options,
+                 str(layout)).wait()
+
+
+def sweep(layout: Path, files: list[Path], nbytes: int, device: str, repeat: int) -> list[dict]:
+    rows = []
+    for threads in (8, 16, 24):
+        for read_mb in (8, 16, 64):
+            for slots in (2, 4):
+                options = LoaderOptions(threads=threads, read_bytes=read_mb * MiB, slots_per_thread=slots)
+                row = warm_and_cold(f"t{threads} r{read_mb} s{slots}", lambda: load_layout(layout, device, options),
+                                    files, nbytes, device, repeat, False)
+                rows.append({"threads": threads, "read_mb": read_mb, "slots": slots, **row})
+    return rows
+
+
 def load_safetensors(model_dir: Path, device: str) -> None:
     from safetensors.torch import load_file
 
@@ -190,6 +221,11 @@ def bench_shape(shape: str, args, work: Path) -> dict:
     name = f"loader_{DEFAULT_HASH}"
     result[name] = warm_and_cold(name, lambda: load_layout(layout, device, options), files, nbytes, device, args.repeat,
                                  cold)
+    if device == "cuda":
+        result["loader_driver"] = warm_and_cold("loader_driver", lambda: load_layout_driver(layout, options), files,
+                                                nbytes, device, args.repeat, False)
+    if args.sweep:
+        result["sweep"] = sweep(layout, files, nbytes, device, args.repeat)
     unverified = LoaderOptions(threads=args.threads, read_bytes=args.read_mb * MiB, verify=False)
     result["loader_nohash"] = warm_and_cold("loader_nohash", lambda: load_layout(layout, device, unverified), files,
                                             nbytes, device, args.repeat, False)
@@ -247,6 +283,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=0, help="loader reader threads (0: one per core, at most 16)")
     p.add_argument("--read-mb", type=int, default=16, help="loader read size (one pinned slot)")
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--sweep", action="store_true", help="also the loader over threads x read size x slots")
     p.add_argument("--no-cold", action="store_true")
     p.add_argument("--no-transformers", action="store_true")
     others = [h for h in HASHES if h != DEFAULT_HASH]
