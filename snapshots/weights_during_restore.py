@@ -93,9 +93,13 @@ def _stream(layout_dir: Path) -> tuple["ExportableMemory", StreamReport]:
     started = time.time()
     memory = ExportableMemory(manifest.plan.total_bytes)
     context_s = time.time() - started
-    sources = [LocalFile(layout_dir / f.name) for f in manifest.files]
-    stream = WeightStream(manifest, sources, DriverSink(memory.ptr, memory.size, memory.context), LoaderOptions(),
-                          str(layout_dir)).wait()
+    try:
+        sources = [LocalFile(layout_dir / f.name) for f in manifest.files]
+        stream = WeightStream(manifest, sources, DriverSink(memory.ptr, memory.size, memory.context),
+                              LoaderOptions(), str(layout_dir)).wait()
+    except BaseException:
+        memory.free()  # not held while the helper waits to finish the CUDA restore
+        raise
     return memory, StreamReport(True, size=memory.size, context_s=round(context_s, 4), started=stream.started,
                                 finished=time.time(), bytes=manifest.total_bytes, tiers=stream.tier_stats())
 
@@ -141,6 +145,7 @@ class ExportableMemory:
 
     def free(self) -> None:
         d = self._d
+        d.cuCtxSynchronize()  # no copy of a failed stream still writing into it
         d.cuMemUnmap(self.ptr, self.size)
         d.cuMemRelease(self.handle)  # the importer's handle keeps the memory alive
         d.cuMemAddressFree(self.ptr, self.size)
