@@ -80,7 +80,8 @@ def test_fused_add_norm_rotary_and_swiglu_match_references():
 
     qkv = torch.randn(5, 8 * 16, generator=g)  # q: 4 heads, k: 2, v: 2, of 16 dims, as views of the fused output
     q, k = qkv[:, :64].view(5, 4, 16), qkv[:, 64:96].view(5, 2, 16)
-    assert (rms_norm(q.to(DEVICE), w[:16].to(DEVICE), 1e-6).cpu() - rms_norm_reference(q, w[:16], 1e-6)).abs().max() < 1e-5
+    normed = rms_norm(q.to(DEVICE), w[:16].to(DEVICE), 1e-6).cpu()
+    assert (normed - rms_norm_reference(q, w[:16], 1e-6)).abs().max() < 1e-5
     positions = torch.tensor([0, 3, 7, 100, 5])
     table = rope.cos_sin_table(128, rope.inverse_frequencies(16, 10000.0, None))
     want_q, want_k = rope.apply_rotary(q, k, positions, table)

@@ -57,7 +57,8 @@ async def run_trace_command(args: argparse.Namespace, settings: dict[str, str]) 
         plot_trace(ran, args.out / "trace.png", f"{context['model']} on {', '.join(machine['gpus']) or 'CPU'}, "
                                                 f"{args.duration:g} s per rate ({machine['date_utc'][:10]})")
     print(table)
-    print(f"\nwrote {args.out / 'trace.json'}, {args.out / 'trace.md'}" + (f", {args.out / 'trace.png'}" if ran else ""))
+    written = [args.out / "trace.json", args.out / "trace.md"] + ([args.out / "trace.png"] if ran else [])
+    print(f"\nwrote {', '.join(map(str, written))}")
     return 1 if any(p.status == "failed" for p in points) else 0
 
 

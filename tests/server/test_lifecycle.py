@@ -61,7 +61,8 @@ def test_sigterm_drains_in_flight_stream_then_exits_0(tiny_model_dir, tmp_path):
         assert first_event.wait(10)
         server.process.send_signal(signal.SIGTERM)
         time.sleep(0.5)  # uvicorn checks for the signal every 0.1 s
-        # Refused while the stream is still running (1500 tokens take seconds even on a fast CPU) and the process still alive:
+        # Refused while the stream is still running (1500 tokens take seconds even on a fast CPU) and the
+        # process still alive:
         with pytest.raises(httpx.ConnectError):
             httpx.get(f"{server.url}/health", timeout=2)
         assert not finished.is_set() and server.process.poll() is None

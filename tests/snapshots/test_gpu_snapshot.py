@@ -52,7 +52,8 @@ def test_gpu_snapshot_serves_like_a_cold_start(tiny_model_dir, tmp_path):
         snapshot_dir = tmp_path / f"snapshots-{weights}"
         if weights not in sizes:
             image = bake_gpu_snapshot(Settings.from_env({"MODEL": str(layout), **env}), layout, snapshot_dir)
-            assert SnapshotImage.read(snapshot_dir / "gpu").fingerprint.gpu_model == image.fingerprint.gpu_model != "none"
+            baked = SnapshotImage.read(snapshot_dir / "gpu")
+            assert baked.fingerprint.gpu_model == image.fingerprint.gpu_model != "none"
             assert image.weights_left_out == (weights == "stream")
             sizes[weights] = image.size_bytes
         server = start_server(tmp_path, f"gpu-{weights}-{during_restore}", MODEL=str(layout),
