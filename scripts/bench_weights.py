@@ -111,7 +111,8 @@ def load_layout_driver(layout: Path, options: LoaderOptions) -> None:
     from cuda.bindings import driver
 
     from runtime.weights.loader import WeightStream
-    from runtime.weights.sinks import DriverSink, call
+    from runtime.cuda_driver import call
+    from runtime.weights.sinks import DriverSink
     from runtime.weights.sources import LocalFile
 
     manifest = Manifest.read(layout)

@@ -37,8 +37,8 @@ def checkpoint(pid: int) -> None:
     _init(driver)
     lock = driver.CUcheckpointLockArgs()
     lock.timeoutMs = LOCK_TIMEOUT_MS
-    _check(driver, driver.cuCheckpointProcessLock(pid, lock), "cuCheckpointProcessLock")
-    _check(driver, driver.cuCheckpointProcessCheckpoint(pid, driver.CUcheckpointCheckpointArgs()),
+    _check(driver.cuCheckpointProcessLock(pid, lock), "cuCheckpointProcessLock")
+    _check(driver.cuCheckpointProcessCheckpoint(pid, driver.CUcheckpointCheckpointArgs()),
            "cuCheckpointProcessCheckpoint")
     expect_state(driver, pid, driver.CUprocessState.CU_PROCESS_STATE_CHECKPOINTED)
 
@@ -47,16 +47,16 @@ def restore(pid: int) -> None:
     from cuda.bindings import driver
 
     _init(driver)
-    _check(driver, driver.cuCheckpointProcessRestore(pid, driver.CUcheckpointRestoreArgs()),
+    _check(driver.cuCheckpointProcessRestore(pid, driver.CUcheckpointRestoreArgs()),
            "cuCheckpointProcessRestore")
-    _check(driver, driver.cuCheckpointProcessUnlock(pid, driver.CUcheckpointUnlockArgs()),
+    _check(driver.cuCheckpointProcessUnlock(pid, driver.CUcheckpointUnlockArgs()),
            "cuCheckpointProcessUnlock")
     expect_state(driver, pid, driver.CUprocessState.CU_PROCESS_STATE_RUNNING)
 
 
 def expect_state(driver, pid: int, wanted) -> None:
     err, state = driver.cuCheckpointProcessGetState(pid)
-    _check(driver, (err,), "cuCheckpointProcessGetState")
+    _check((err,), "cuCheckpointProcessGetState")
     if state != wanted:
         raise CudaCheckpointError(f"process {pid} is {state.name}, expected {wanted.name}")
 
@@ -133,14 +133,17 @@ class RestoreHelper:
 
 
 def _init(driver) -> None:
-    _check(driver, driver.cuInit(0), "cuInit")
+    _check(driver.cuInit(0), "cuInit")
 
 
-def _check(driver, result: tuple, call: str) -> None:
-    err = result[0]
-    if err != driver.CUresult.CUDA_SUCCESS:
-        _, name = driver.cuGetErrorName(err)
-        raise CudaCheckpointError(f"{call}: {name.decode() if isinstance(name, bytes) else name}")
+def _check(result: tuple, name: str) -> None:
+    """As runtime.cuda_driver.call, in this module's error type (the bootstrap reports it as the reason)."""
+    from runtime.cuda_driver import DriverError, call
+
+    try:
+        call(result[:1], name)
+    except DriverError as exc:
+        raise CudaCheckpointError(str(exc)) from None
 
 
 def _restore_from_stdin(weights: Path | None, channel_fd: int | None) -> None:

@@ -111,7 +111,7 @@ class ExportableMemory:
     def __init__(self, nbytes: int, device: int = 0) -> None:
         from cuda.bindings import driver as d
 
-        from runtime.weights.sinks import call
+        from runtime.cuda_driver import allocation_prop, call, map_range, reserve
 
         self._d = d
         call(d.cuInit(0), "cuInit")
@@ -119,29 +119,18 @@ class ExportableMemory:
         self.context = call(d.cuDevicePrimaryCtxRetain(dev), "cuDevicePrimaryCtxRetain")
         self._device = dev
         call(d.cuCtxSetCurrent(self.context), "cuCtxSetCurrent")
-        prop = d.CUmemAllocationProp()
-        prop.type = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-        prop.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        prop.location.id = device
-        prop.requestedHandleTypes = d.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
-        granularity = call(d.cuMemGetAllocationGranularity(
-            prop, d.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED), "granularity")
-        self.size = -(-max(nbytes, 1) // granularity) * granularity
+        prop = allocation_prop(device, exportable=True)
+        self.ptr, self.size = reserve(prop, nbytes)
         self.handle = call(d.cuMemCreate(self.size, prop, 0), "cuMemCreate")
-        self.ptr = int(call(d.cuMemAddressReserve(self.size, granularity, 0, 0), "cuMemAddressReserve"))
-        call(d.cuMemMap(self.ptr, self.size, 0, self.handle, 0), "cuMemMap")
-        access = d.CUmemAccessDesc()
-        access.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        access.location.id = device
-        access.flags = d.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-        call(d.cuMemSetAccess(self.ptr, self.size, [access], 1), "cuMemSetAccess")
+        map_range(self.ptr, self.size, self.handle, device)
 
     def export(self) -> int:
-        from runtime.weights.sinks import call
+        from runtime.cuda_driver import call
 
         d = self._d
         return int(call(d.cuMemExportToShareableHandle(
-            self.handle, d.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0), "export"))
+            self.handle, d.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+            "cuMemExportToShareableHandle"))
 
     def free(self) -> None:
         d = self._d

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import torch
 
-
-class VmmError(RuntimeError):
-    pass
+from runtime.cuda_driver import DriverError, allocation_prop, call, map_range, reserve
 
 
 class ReleasableBuffer:
     """A flat uint8 device buffer in its own reserved address range; `release()` frees its physical memory
-    and keeps the range, `remap()` backs the range with new physical memory."""
+    and keeps the range, `remap()` backs the range with new physical memory, `adopt()` with memory another
+    process exported."""
 
     def __init__(self, nbytes: int, device: torch.device) -> None:
         from cuda.bindings import driver
@@ -26,14 +25,8 @@ class ReleasableBuffer:
         self._driver = driver
         self.device_index = device.index if device.index is not None else torch.cuda.current_device()
         self.nbytes = nbytes
-        self._prop = driver.CUmemAllocationProp()
-        self._prop.type = driver.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-        self._prop.location.type = driver.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        self._prop.location.id = self.device_index
-        granularity = self._call("cuMemGetAllocationGranularity", self._prop,
-                                 driver.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED)
-        self.size = -(-max(nbytes, 1) // granularity) * granularity
-        self.ptr = int(self._call("cuMemAddressReserve", self.size, granularity, 0, 0))
+        self._prop = allocation_prop(self.device_index)
+        self.ptr, self.size = reserve(self._prop, nbytes)
         self._handle = None
         self.remap()
         self.tensor = torch.as_tensor(_CudaArray(self.ptr, nbytes, self), device=device)
@@ -43,17 +36,11 @@ class ReleasableBuffer:
         return self._handle is not None
 
     def _map(self, handle) -> None:
-        d = self._driver
         try:
-            self._call("cuMemMap", self.ptr, self.size, 0, handle, 0)
-        except VmmError:
-            self._call("cuMemRelease", handle)
+            map_range(self.ptr, self.size, handle, self.device_index)
+        except DriverError:
+            call(self._driver.cuMemRelease(handle), "cuMemRelease")
             raise
-        access = d.CUmemAccessDesc()
-        access.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        access.location.id = self.device_index
-        access.flags = d.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-        self._call("cuMemSetAccess", self.ptr, self.size, [access], 1)
         self._handle = handle
 
     def adopt(self, fd: int, size: int) -> None:
@@ -61,19 +48,18 @@ class ReleasableBuffer:
         descriptor (the CUDA restore helper, which filled it with the weights: snapshots/weights_during_restore.py).
         The caller still owns FD."""
         if self._handle is not None:
-            raise VmmError("adopt: the range is already mapped")
+            raise DriverError("adopt: the range is already mapped")
         if size != self.size:
-            raise VmmError(f"adopt: {size} bytes exported for a range of {self.size}")
+            raise DriverError(f"adopt: {size} bytes exported for a range of {self.size}")
         d = self._driver
-        handle = self._call("cuMemImportFromShareableHandle", fd,
-                            d.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
-        self._map(handle)
+        posix_fd = d.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        self._map(call(d.cuMemImportFromShareableHandle(fd, posix_fd), "cuMemImportFromShareableHandle"))
 
     def remap(self) -> None:
         """Back the reserved range with new (uninitialised) physical memory."""
         if self._handle is not None:
             return
-        self._map(self._call("cuMemCreate", self.size, self._prop, 0))
+        self._map(call(self._driver.cuMemCreate(self.size, self._prop, 0), "cuMemCreate"))
 
     def release(self) -> None:
         """Give the physical memory back; the address range stays reserved. Nothing may touch the buffer
@@ -81,17 +67,9 @@ class ReleasableBuffer:
         if self._handle is None:
             return
         torch.cuda.synchronize(self.device_index)
-        self._call("cuMemUnmap", self.ptr, self.size)
-        self._call("cuMemRelease", self._handle)
+        call(self._driver.cuMemUnmap(self.ptr, self.size), "cuMemUnmap")
+        call(self._driver.cuMemRelease(self._handle), "cuMemRelease")
         self._handle = None
-
-    def _call(self, name: str, *args):
-        result = getattr(self._driver, name)(*args)
-        err = result[0]
-        if err != self._driver.CUresult.CUDA_SUCCESS:
-            _, text = self._driver.cuGetErrorName(err)
-            raise VmmError(f"{name}: {text.decode() if isinstance(text, bytes) else text}")
-        return result[1] if len(result) == 2 else result[1:]
 
 
 class _CudaArray:

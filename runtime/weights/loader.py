@@ -35,6 +35,8 @@ from runtime.weights.s3 import S3Store
 if TYPE_CHECKING:
     import torch
 
+    from runtime.weights.sinks import Sink, Writer
+
 log = get_logger("weights.loader")
 
 MiB = 1 << 20
@@ -93,7 +95,7 @@ def check_plan(manifest: Manifest, plan: WeightPlan, where: str) -> None:
 class WeightStream:
     """One load in flight: the object `LoadWeights` returns."""
 
-    def __init__(self, manifest: Manifest, sources: list, sink, options: LoaderOptions,
+    def __init__(self, manifest: Manifest, sources: list, sink: "Sink", options: LoaderOptions,
                  where: str, timeline: Timeline | None = None) -> None:
         """SINK: where the bytes go (runtime/weights/sinks.py)."""
         self.manifest = manifest
@@ -155,7 +157,6 @@ class WeightStream:
     # -- the readers -------------------------------------------------------------------------------
 
     def _reader(self) -> None:
-        writer = None
         try:
             slot_bytes = min(self.options.read_bytes, max(c.length for c in self.chunks))
             writer = self.sink.writer(slot_bytes, self.options.slots_per_thread)
@@ -170,7 +171,7 @@ class WeightStream:
             with self._lock:
                 self._error = self._error or exc
 
-    def _load_chunk(self, i: int, writer) -> None:
+    def _load_chunk(self, i: int, writer: "Writer") -> None:
         chunk = self.chunks[i]
         source = self.sources[chunk.file]
         digest = chunk_hasher(self.manifest.hash) if self.options.verify else None

@@ -13,6 +13,8 @@ from __future__ import annotations
 import ctypes
 from typing import TYPE_CHECKING, Protocol
 
+from runtime.cuda_driver import call
+
 if TYPE_CHECKING:
     import torch
 
@@ -21,6 +23,11 @@ class Writer(Protocol):
     def slot(self, dst: int, n: int) -> memoryview: ...
     def commit(self, dst: int, n: int) -> object | None: ...
     def close(self) -> None: ...
+
+
+class Sink(Protocol):
+    def writer(self, slot_bytes: int, slots: int) -> Writer: ...
+    def wait_copies(self, events: list) -> None: ...
 
 
 class HostSink:
@@ -134,7 +141,6 @@ class _DriverWriter:
         call(driver.cuCtxSetCurrent(sink.context), "cuCtxSetCurrent")
         self._stream = call(driver.cuStreamCreate(driver.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
         self._host = int(call(driver.cuMemHostAlloc(slot_bytes * slots, 0), "cuMemHostAlloc"))
-        self._size = slot_bytes
         whole = (ctypes.c_char * (slot_bytes * slots)).from_address(self._host)
         view = memoryview(whole).cast("B")
         self._slots = [(self._host + k * slot_bytes, view[k * slot_bytes:(k + 1) * slot_bytes],
@@ -166,18 +172,3 @@ class _DriverWriter:
             d.cuEventDestroy(event)
         d.cuStreamDestroy(self._stream)
         d.cuMemFreeHost(self._host)
-
-
-class DriverError(RuntimeError):
-    pass
-
-
-def call(result: tuple, name: str):
-    """The value of a cuda-bindings call (its first element is the CUresult), or DriverError naming it."""
-    from cuda.bindings import driver
-
-    err = result[0]
-    if err != driver.CUresult.CUDA_SUCCESS:
-        _, text = driver.cuGetErrorName(err)
-        raise DriverError(f"{name}: {text.decode() if isinstance(text, bytes) else text}")
-    return result[1] if len(result) == 2 else (result[1:] if len(result) > 2 else None)

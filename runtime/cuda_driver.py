@@ -1,0 +1,56 @@
+"""The few CUDA driver calls the runtime makes itself, through cuda-bindings and without torch: checking a
+call's result, and the virtual memory pieces shared by the engine's releasable buffers (runtime/engine/vmm.py)
+and the CUDA restore helper's exportable memory (snapshots/weights_during_restore.py)."""
+
+from __future__ import annotations
+
+
+class DriverError(RuntimeError):
+    pass
+
+
+def call(result: tuple, name: str):
+    """The value of a cuda-bindings call (its first element is the CUresult), or DriverError naming it."""
+    from cuda.bindings import driver
+
+    err = result[0]
+    if err != driver.CUresult.CUDA_SUCCESS:
+        _, text = driver.cuGetErrorName(err)
+        raise DriverError(f"{name}: {text.decode() if isinstance(text, bytes) else text}")
+    return result[1] if len(result) == 2 else (result[1:] if len(result) > 2 else None)
+
+
+def allocation_prop(device: int, exportable: bool = False):
+    """Properties of pinned device memory on DEVICE; EXPORTABLE: shareable as a POSIX file descriptor."""
+    from cuda.bindings import driver as d
+
+    prop = d.CUmemAllocationProp()
+    prop.type = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    prop.location.id = device
+    if exportable:
+        prop.requestedHandleTypes = d.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    return prop
+
+
+def reserve(prop, nbytes: int) -> tuple[int, int]:
+    """(address, size) of a reserved range for NBYTES, the size rounded up to the recommended granularity:
+    a releasable range and the memory exported for it are sized alike."""
+    from cuda.bindings import driver as d
+
+    granularity = call(d.cuMemGetAllocationGranularity(
+        prop, d.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED), "cuMemGetAllocationGranularity")
+    size = -(-max(nbytes, 1) // granularity) * granularity
+    return int(call(d.cuMemAddressReserve(size, granularity, 0, 0), "cuMemAddressReserve")), size
+
+
+def map_range(ptr: int, size: int, handle, device: int) -> None:
+    """Map HANDLE's physical memory at PTR, readable and writable from DEVICE."""
+    from cuda.bindings import driver as d
+
+    call(d.cuMemMap(ptr, size, 0, handle, 0), "cuMemMap")
+    access = d.CUmemAccessDesc()
+    access.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    access.location.id = device
+    access.flags = d.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+    call(d.cuMemSetAccess(ptr, size, [access], 1), "cuMemSetAccess")
