@@ -30,19 +30,27 @@ def build(kind: str, model_dir: Path, settings: Settings):
     """Everything a snapshot should already have done: the imports the server needs, the engine."""
     import handlers.health  # noqa: F401  the server's imports, so the restored process has them
     import handlers.openai  # noqa: F401
-    import runtime.server.app  # noqa: F401
     import runtime.server.serve  # noqa: F401
     from runtime.launch import build_engine, engine_config
+    from runtime.server.app import load_async_backend
 
+    load_async_backend()
     # the served name is the bootstrap's to give (after restore, from SERVED_NAME/MODEL as they are then)
     engine = build_engine(model_dir, engine_config(settings, settings.device))  # DEVICE resolved by the bake
     if kind == "gpu":
         stream = settings.gpu_snapshot_weights == "stream"
         engine.start(releasable_memory=stream)
+        if settings.gpu_snapshot_warm_up:
+            from runtime.engine.warm_up import warm_up
+
+            done = warm_up(engine)
+            log.info("gpu snapshot: warmed up with %d requests (prompts of %s tokens) in %.2f s", done.requests,
+                     ", ".join(map(str, done.prompt_lengths)), done.seconds)
         if stream:  # the image keeps the addresses, not the bytes: the weights stream back after restore
             log.info("gpu snapshot: %.2f GiB of weights and KV cache released before the checkpoint",
                      engine.release_device_memory() / 2**30)
         drop_cached_memory()
+        release_local_memory()
     trim_host_heap()
     return engine
 
@@ -70,6 +78,38 @@ def drop_cached_memory() -> None:
         or getattr(torch._C, "_host_emptyCache", None)
     if empty_host_cache is not None:
         empty_host_cache()
+
+
+#: the per-thread stack size the context had before the checkpoint; given back right after the restore
+_stack_bytes: int | None = None
+
+
+def release_local_memory() -> None:
+    """The CUDA checkpoint copies all the device memory the context holds into the image, and the context
+    reserves stack for every thread the GPU can hold (1 KiB each by default: 264 MiB on an H100). Its
+    contents never matter between launches: a stack limit of 0 frees it before the checkpoint, and
+    `restore_local_memory` reserves it afresh after the restore (the CUDA graphs' kernels need it there)."""
+    global _stack_bytes
+    _stack_bytes = _stack_limit()
+    _stack_limit(0)
+
+
+def restore_local_memory() -> bool:
+    if _stack_bytes is None:
+        return False
+    _stack_limit(_stack_bytes)
+    return True
+
+
+def _stack_limit(value: int | None = None) -> int:
+    from cuda.bindings import driver
+
+    from runtime.cuda_driver import call
+
+    limit = driver.CUlimit.CU_LIMIT_STACK_SIZE
+    if value is not None:
+        call(driver.cuCtxSetLimit(limit, value), "cuCtxSetLimit")
+    return int(call(driver.cuCtxGetLimit(limit), "cuCtxGetLimit"))
 
 
 def reload_released_weights(engine, channel: socket.socket | None) -> thawed.WeightReload | None:
@@ -135,6 +175,9 @@ def main() -> int:
 
     received, conn, channel = handoff.receive(listener)  # <- checkpointed here; everything below runs restored
     taken_over_at = time.time()
+    if restore_local_memory():
+        received.restore_detail["stack_s"] = round(time.time() - taken_over_at, 4)
+        taken_over_at = time.time()
     os.environ["THAWLLM_SPAWN_TIME"] = repr(received.spawn_time)
     if received.verify and engine.runner is not None:
         engine.runner.allocator.remap()  # the bake checks that released ranges map again (no-op if none)

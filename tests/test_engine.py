@@ -339,3 +339,29 @@ def test_unsupported_architecture_is_named():
         ModelConfig.from_hf({"architectures": ["GPT2LMHeadModel"]})
     with pytest.raises(UnsupportedModel, match="sliding_window"):
         ModelConfig.from_hf({"architectures": ["MistralForCausalLM"], "sliding_window": 4096})
+
+
+def test_a_warmed_up_engine_serves_what_a_fresh_one_serves(tiny_model, engine_factory):
+    """The warm-up a gpu snapshot is taken after (runtime/engine/warm_up.py) leaves nothing behind that a
+    caller could notice: every block free, no steps counted, and the same tokens for greedy, seeded and
+    unseeded sampling (the engine's own generator is not drawn from)."""
+    from runtime.engine.warm_up import SAMPLING_PATHS, warm_up
+
+    model_dir = tiny_model("tiny-llama")
+    requests = [(PROMPTS[1], dict(max_tokens=12, temperature=0, logprobs=2)),
+                (PROMPTS[3], dict(max_tokens=12, temperature=0.9, top_p=0.95, seed=11)),
+                (PROMPTS[5], dict(max_tokens=12, temperature=1.0)),  # unseeded: the engine's generator
+                (PROMPTS[6], dict(max_tokens=12, temperature=0, presence_penalty=1.0))]
+
+    def serve(engine):
+        return [(tokens(o), [(lp.token_id, lp.logprob) for x in o for lp in x.logprobs or []])
+                for o in (asyncio.run(collect(engine, p, **kw)) for p, kw in requests)]
+
+    expected = serve(engine_factory(model_dir, max_model_len=64, num_kv_blocks=16))
+    warmed = engine_factory(model_dir, max_model_len=64, num_kv_blocks=16)
+    done = warm_up(warmed)
+    assert done.requests == len(done.prompt_lengths) + len(SAMPLING_PATHS)
+    assert max(done.prompt_lengths) <= 64 - 4 and len(done.prompt_lengths) >= 4  # clipped to the context
+    stats = warmed.stats()
+    assert (stats.steps, stats.steps_run_ahead, stats.kv_blocks_used, stats.running) == (0, 0, 0, 0)
+    assert serve(warmed) == expected

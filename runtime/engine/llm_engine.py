@@ -239,6 +239,10 @@ class Engine:
     async def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
 
+    def reset_step_counts(self) -> None:
+        """Forget the steps run so far (stats() counts from here): after a warm-up (runtime/engine/warm_up.py)."""
+        self._steps = self._steps_run_ahead = 0
+
     def stats(self) -> EngineStats:
         if not self.ready:
             return EngineStats(0, 0, 0, 0)

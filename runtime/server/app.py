@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import anyio
+import anyio.lowlevel
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 
@@ -21,4 +23,12 @@ def build_app(state: AppState, handlers: Sequence[Handler], api_key: str | None 
     middleware = [Middleware(APIKeyMiddleware, api_key=api_key)] if api_key else []
     app = Starlette(routes=routes, middleware=middleware, exception_handlers=EXCEPTION_HANDLERS)
     app.state.thawllm = state
+    load_async_backend()
     return app
+
+
+def load_async_backend() -> None:
+    """Starlette streams a response inside an anyio task group, and anyio imports its asyncio backend the
+    first time one is made: 40 ms into the first streamed token of a process on this machine, 0.1 s on the
+    H100 machine, unless it is loaded here (or in the snapshot, snapshots/frozen.py). A few ms once loaded."""
+    anyio.run(anyio.lowlevel.checkpoint)
