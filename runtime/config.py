@@ -126,8 +126,8 @@ class Settings:
         "after restore) or image (all GPU memory in the image)")
     gpu_snapshot_warm_up: bool = _setting(
         "GPU_SNAPSHOT_WARM_UP", _bool, True,
-        "faas-build gpu snapshots: serve a few throwaway requests before the checkpoint, so that the first "
-        "request after a restore finds its kernels loaded (0: checkpoint straight after the start)")
+        "faas-build gpu snapshots: serve a few throwaway requests before the checkpoint, so that a first greedy "
+        "or sampled request after a restore finds its kernels loaded (0: checkpoint straight after the start)")
     weights_during_restore: bool = _setting(
         "WEIGHTS_DURING_RESTORE", _bool, True,
         "gpu snapshots baked with GPU_SNAPSHOT_WEIGHTS=stream: the CUDA restore helper streams the weights "
