@@ -40,9 +40,11 @@ def test_layout_bytes_are_the_engine_weight_buffer(tiny_model, local_layout):
     plan = plan_weights(ModelConfig.from_dir(tiny_model("tiny-llama")), "float32")
     expected = torch.zeros(plan.total_bytes, dtype=torch.uint8)
     hf_dir_loader(Path(tiny_model("tiny-llama")))(plan, expected).wait()
-    for threads in (1, 3):  # one reader, and readers racing over the chunks
+    # one reader, readers racing over the chunks, and pieces read and hashed in windows that do not divide them
+    for threads, window in ((1, 0), (3, 0), (3, 4096)):
         got = torch.full((plan.total_bytes,), 7, dtype=torch.uint8)
-        layout_loader(local_layout, LoaderOptions(threads=threads, read_bytes=20_000))(plan, got).wait()
+        options = LoaderOptions(threads=threads, read_bytes=20_000, hash_window_bytes=window)
+        layout_loader(local_layout, options)(plan, got).wait()
         assert torch.equal(got, expected)
     manifest = Manifest.read(local_layout)
     assert manifest.hash == "xxh3-128"  # the default
@@ -104,6 +106,10 @@ def test_a_corrupted_file_is_an_error_naming_it(hash, tiny_model, tmp_path):
     victim.write_bytes(bytes(data))
     with pytest.raises(WeightsError, match=rf"weights-00001\.bin chunk \d+ .* fails its {hash} check"):
         start(str(broken), cpu_settings(tmp_path))
+    manifest = Manifest.read(broken)  # read and hashed in small windows: caught the same
+    windows = layout_loader(broken, LoaderOptions(threads=2, read_bytes=20_000, hash_window_bytes=4096))
+    with pytest.raises(WeightsError, match=rf"weights-00001\.bin chunk \d+ .* fails its {hash} check"):
+        windows(manifest.plan, torch.zeros(manifest.plan.total_bytes, dtype=torch.uint8)).wait()
     victim.write_bytes(bytes(data[:1000]))
     with pytest.raises(WeightsError, match=r"weights-00001\.bin: truncated"):
         start(str(broken), cpu_settings(tmp_path))

@@ -2,7 +2,8 @@
 
 Reader threads take the layout's hashed chunks in buffer order. Each reads its chunk in `read_bytes` pieces
 (preadv from disk, or ranged GETs from S3) into its own ring of pinned host buffers, hashes every piece as it
-lands (xxhash, blake3 and hashlib release the GIL on large buffers, so hashing scales with the readers), and
+lands (from disk a 1 MiB window at a time, while it is in cache; xxhash, blake3 and hashlib release the GIL
+on large buffers, so hashing scales with the readers), and
 enqueues the copy to the GPU on its own side stream; a slot is reused only once its copy's event has completed.
 On CPU the pieces are read straight into the weight buffer (no pinned memory, no stream, no copy). A chunk
 whose hash differs fails the load with an error naming the file: the model is never used half-wrong.
@@ -48,6 +49,9 @@ class LoaderOptions:
     read_bytes: int = 16 * MiB  # one preadv / ranged GET; one pinned slot
     slots_per_thread: int = 2  # read the next piece while the last one is copied
     verify: bool = True  # hash every chunk; off only to measure what it costs (scripts/bench_weights.py)
+    # From local files a piece is read and hashed in windows of this size, so each window is hashed while it
+    # is still in the reading core's cache instead of being fetched from memory again (0: whole pieces)
+    hash_window_bytes: int = 1 * MiB
 
     def reader_threads(self, n_chunks: int) -> int:
         auto = min(16, os.cpu_count() or 4)
@@ -180,8 +184,11 @@ class WeightStream:
             n = min(self.options.read_bytes, chunk.length - off)
             dst = chunk.buffer_offset + off
             piece = writer.slot(dst, n)
-            source.read_into(chunk.offset + off, piece)
-            digest and digest.update(piece)
+            window = n if source.tier == "s3" else min(self.options.hash_window_bytes or n, n)  # one GET per piece
+            for w in range(0, n, window):
+                part = piece[w:w + window]
+                source.read_into(chunk.offset + off + w, part)
+                digest and digest.update(part)
             copied = writer.commit(dst, n)
             if copied is not None:
                 self._copied[i].append(copied)
