@@ -164,14 +164,6 @@ def module_functions(module: int) -> list[int]:
     return [f or 0 for f in funcs[: count.value]]
 
 
-def load_function(func: int) -> None:
-    """Make sure a function found by enumerating its module is loaded (modules load lazily, function by
-    function); drivers older than CUDA 12.4 have no cuFuncLoad and load it at first use instead."""
-    load = getattr(lib(), "cuFuncLoad", None)
-    if load is not None:
-        check(load(c_void_p(func)), "cuFuncLoad")
-
-
 def kernel_node_attribute(node: int, attribute: int) -> bytes | None:
     value = AttributeValue()
     if lib().cuGraphKernelNodeGetAttribute(c_void_p(node), c_int(attribute), byref(value)) != 0:

@@ -1,14 +1,12 @@
 """Kernel names to this process's function handles (Medusa 5.2, "triggering kernels").
 
 Handles differ per process and many kernels (cuBLAS's) are in no symbol table. Running the first decoder
-layer (plus the final norm and lm_head) at a batch size loads every module a decode step at that size uses —
-lazily loaded PyTorch modules, cuBLAS's choices for that shape, the Triton kernels from the baked cache —
-and capturing that small forward shows which handle each name has. cuBLAS picks other kernels at other
-sizes (the decode graphs of Qwen2-1.5B needed 31 of the 35 sizes run that way, 1 s on the H100), but
-mostly from modules the first sizes loaded already: after each size, the names still missing are looked
-up among all functions of the modules found so far, and another size is run only for what is still
-missing. A name that turns out to belong to two different functions (two specialisations of one Triton
-kernel, say) is left unresolved: the graphs that need it are captured live rather than risk the wrong code.
+layer (plus the final norm and lm_head) once per batch size loads every module a full decode step uses —
+lazily loaded PyTorch modules, cuBLAS's choices for each shape, the Triton kernels from the baked cache —
+and capturing that small forward shows which handle each name has. Names still missing after that are
+looked up among all functions of the modules already found. A name that turns out to belong to two different
+functions (two specialisations of one Triton kernel, say) is left unresolved: the graphs that need it are
+captured live rather than risk the wrong code.
 """
 
 from __future__ import annotations
@@ -22,7 +20,6 @@ from snapshots.cudagraph.describe import kernel_function
 
 def resolve_kernels(runner: ModelRunner, batch_sizes: list[int], names: set[str]) -> dict[str, int]:
     found: dict[str, set[int]] = {}
-    searched: set[int] = set()  # modules already enumerated
     with torch.inference_mode():
         graphs: list[torch.cuda.CUDAGraph] = []  # alive until all are read: they share one pool
         for bs in batch_sizes:
@@ -36,22 +33,15 @@ def resolve_kernels(runner: ModelRunner, batch_sizes: list[int], names: set[str]
                 if cu.node_type(node) == cu.NODE_KERNEL:
                     func = kernel_function(cu.kernel_node_params(node))
                     found.setdefault(cu.function_name(func), set()).add(func)
-            if names <= found.keys():
-                break
-            _search_modules(found, names - found.keys(), searched)
             if names <= found.keys():  # every kernel the graphs need is loaded: the other shapes add nothing
                 break
         del graphs
-    return {name: next(iter(funcs)) for name, funcs in found.items() if len(funcs) == 1}
-
-
-def _search_modules(found: dict[str, set[int]], missing: set[str], searched: set[int]) -> None:
-    """Add to FOUND the MISSING names that are functions of a module found so far."""
-    modules = {cu.function_module(f) for funcs in found.values() for f in funcs} - searched
-    for module in modules:
-        searched.add(module)
-        for func in cu.module_functions(module):
-            name = cu.function_name(func)
-            if name in missing:
-                cu.load_function(func)
-                found.setdefault(name, set()).add(func)
+    handles = {name: next(iter(funcs)) for name, funcs in found.items() if len(funcs) == 1}
+    missing = names - found.keys()
+    if missing:
+        for module in {cu.function_module(f) for f in handles.values()}:
+            for func in cu.module_functions(module):
+                name = cu.function_name(func)
+                if name in missing:
+                    handles[name] = func
+    return handles

@@ -19,6 +19,3 @@ def prepare_kernels() -> None:
     except ImportError:  # another Triton version: its first compile pays it
         return
     triton_key()
-    # Triton's first launch in a process also imports its code generator, and with it Gluon's language
-    # modules: 0.4 s of the H100 machine's materialised kernel resolution (cProfile, Qwen2-1.5B)
-    importlib.import_module("triton.compiler.code_generator")
