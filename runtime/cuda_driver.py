@@ -1,6 +1,7 @@
 """The few CUDA driver calls the runtime makes itself, through cuda-bindings and without torch: checking a
-call's result, and the virtual memory pieces shared by the engine's releasable buffers (runtime/engine/vmm.py)
-and the CUDA restore helper's exportable memory (snapshots/weights_during_restore.py)."""
+call's result, the virtual memory pieces shared by the engine's releasable buffers (runtime/engine/vmm.py)
+and the CUDA restore helper's exportable memory (snapshots/weights_during_restore.py), and the context's
+stack limit (released around a gpu snapshot's checkpoint, snapshots/frozen.py)."""
 
 from __future__ import annotations
 
@@ -54,3 +55,13 @@ def map_range(ptr: int, size: int, handle, device: int) -> None:
     access.location.id = device
     access.flags = d.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
     call(d.cuMemSetAccess(ptr, size, [access], 1), "cuMemSetAccess")
+
+
+def stack_limit(value: int | None = None) -> int:
+    """The current context's per-thread stack size in bytes, after setting it to VALUE if given."""
+    from cuda.bindings import driver as d
+
+    limit = d.CUlimit.CU_LIMIT_STACK_SIZE
+    if value is not None:
+        call(d.cuCtxSetLimit(limit, value), "cuCtxSetLimit")
+    return int(call(d.cuCtxGetLimit(limit), "cuCtxGetLimit"))

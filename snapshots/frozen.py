@@ -90,26 +90,20 @@ def release_local_memory() -> None:
     contents never matter between launches: a stack limit of 0 frees it before the checkpoint, and
     `restore_local_memory` reserves it afresh after the restore (the CUDA graphs' kernels need it there)."""
     global _stack_bytes
-    _stack_bytes = _stack_limit()
-    _stack_limit(0)
+    from runtime.cuda_driver import stack_limit
+
+    _stack_bytes = stack_limit()
+    stack_limit(0)
 
 
 def restore_local_memory() -> bool:
+    """Give the context back the stack `release_local_memory` freed; False where nothing was released."""
     if _stack_bytes is None:
         return False
-    _stack_limit(_stack_bytes)
+    from runtime.cuda_driver import stack_limit
+
+    stack_limit(_stack_bytes)
     return True
-
-
-def _stack_limit(value: int | None = None) -> int:
-    from cuda.bindings import driver
-
-    from runtime.cuda_driver import call
-
-    limit = driver.CUlimit.CU_LIMIT_STACK_SIZE
-    if value is not None:
-        call(driver.cuCtxSetLimit(limit, value), "cuCtxSetLimit")
-    return int(call(driver.cuCtxGetLimit(limit), "cuCtxGetLimit"))
 
 
 def reload_released_weights(engine, channel: socket.socket | None) -> thawed.WeightReload | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Sequence
 
 import anyio
@@ -30,5 +31,9 @@ def build_app(state: AppState, handlers: Sequence[Handler], api_key: str | None 
 def load_async_backend() -> None:
     """Starlette streams a response inside an anyio task group, and anyio imports its asyncio backend the
     first time one is made: 40 ms into the first streamed token of a process on this machine, 0.1 s on the
-    H100 machine, unless it is loaded here (or in the snapshot, snapshots/frozen.py). A few ms once loaded."""
-    anyio.run(anyio.lowlevel.checkpoint)
+    H100 machine, unless it is loaded here (or in the snapshot, snapshots/frozen.py). A few ms once loaded.
+    Inside a running event loop (an app built by async code) it cannot run one, and the first stream loads it."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        anyio.run(anyio.lowlevel.checkpoint)
