@@ -1,15 +1,15 @@
 """The fingerprint: what a snapshot was baked against. A snapshot is restored only where every field it
 depends on is the same here; otherwise the bootstrap falls back and says which field differed.
 
-Computed without importing torch (versions come from package metadata and torch's version.py, the GPU
-from /proc/driver/nvidia), so the bootstrap can check it before anything heavy is loaded.
+Computed without importing torch (its versions come from torch's version.py, thawllm's from
+runtime/__init__.py, the GPU from /proc/driver/nvidia) and without package metadata (importing
+importlib.metadata and looking a distribution up cost the bootstrap ~20 ms before every restore).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib.metadata
 import importlib.util
 import json
 import platform
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
+import runtime
 from runtime.config import Settings
 
 NVIDIA_PROC = Path("/proc/driver/nvidia")
@@ -61,8 +62,8 @@ def mismatch(baked: Fingerprint, here: Fingerprint, ignore: Iterable[str] = ()) 
 def current_fingerprint(settings: Settings, criu_version: str = "") -> Fingerprint:
     gpu_model, driver = gpu_identity()
     return Fingerprint(
-        gpu_model=gpu_model, driver=driver, cuda=torch_cuda_version(), torch=_version("torch"),
-        python=platform.python_version(), thawllm=_version("thawllm"), model_hash=model_hash(settings.model),
+        gpu_model=gpu_model, driver=driver, cuda=torch_version("cuda"), torch=torch_version("__version__"),
+        python=platform.python_version(), thawllm=runtime.__version__, model_hash=model_hash(settings.model),
         engine_config=engine_settings(settings), criu=criu_version)
 
 
@@ -79,8 +80,9 @@ def gpu_identity() -> tuple[str, str]:
     return (model.group(1).strip() if model else "unknown"), (driver.group(1) if driver else "unknown")
 
 
-def torch_cuda_version() -> str:
-    """torch.version.cuda, read from the file rather than by importing torch (seconds)."""
+def torch_version(field: str) -> str:
+    """torch.__version__ or torch.version.cuda (FIELD "__version__" or "cuda"), read from torch/version.py
+    rather than by importing torch (seconds); "none" without torch."""
     spec = importlib.util.find_spec("torch")
     if spec is None or spec.origin is None:
         return "none"
@@ -88,7 +90,7 @@ def torch_cuda_version() -> str:
         text = (Path(spec.origin).parent / "version.py").read_text()
     except OSError:
         return "unknown"
-    match = re.search(r"^cuda\s*(?::\s*[^=]+)?=\s*['\"]?([^'\"\n]+)", text, re.M)
+    match = re.search(rf"^{re.escape(field)}\s*(?::\s*[^=]+)?=\s*['\"]?([^'\"\n]+)", text, re.M)
     return match.group(1).strip() if match else "unknown"
 
 
@@ -139,13 +141,6 @@ def _embedded_identity() -> str:
 
 def _digest(parts: list[tuple[str, str]]) -> str:
     return "sha256:" + hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:32]
-
-
-def _version(distribution: str) -> str:
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return "none"
 
 
 def _clip(text: str, limit: int = 80) -> str:
