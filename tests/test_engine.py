@@ -365,3 +365,7 @@ def test_a_warmed_up_engine_serves_what_a_fresh_one_serves(tiny_model, engine_fa
     stats = warmed.stats()
     assert (stats.steps, stats.steps_run_ahead, stats.kv_blocks_used, stats.running) == (0, 0, 0, 0)
     assert serve(warmed) == expected
+    # a context barely longer than the warm-up's tokens still warms up (short prompts), and one that holds no
+    # prompt beside them is left alone, not failed
+    assert warm_up(engine_factory(model_dir, max_model_len=7, num_kv_blocks=4)).prompt_lengths == (2,)
+    assert warm_up(engine_factory(model_dir, max_model_len=4, num_kv_blocks=4)).requests == 0

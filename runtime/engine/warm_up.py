@@ -48,28 +48,31 @@ def warm_up(engine: "Engine") -> WarmUp:
     capacity = engine.blocks.num_blocks * engine.config.block_size
     longest = min(engine.max_model_len, engine.config.max_num_batched_tokens, capacity) - WARM_UP_TOKENS
     lengths = tuple(n for n in PROMPT_LENGTHS if n <= longest)
-    asyncio.run(_serve(engine, lengths))
+    requests = 0
+    if longest >= 1:  # else no prompt fits beside its tokens: nothing to warm
+        asyncio.run(_serve(engine, lengths, min(8, longest)))
+        requests = len(lengths) + len(SAMPLING_PATHS)
     if engine.blocks.num_used:
         raise RuntimeError(f"the warm-up left {engine.blocks.num_used} KV blocks in use")
     engine.reset_step_counts()
-    return WarmUp(len(lengths) + len(SAMPLING_PATHS), lengths, time.perf_counter() - started)
+    return WarmUp(requests, lengths, time.perf_counter() - started)
 
 
-async def _serve(engine: "Engine", lengths: tuple[int, ...]) -> None:
+async def _serve(engine: "Engine", lengths: tuple[int, ...], together_length: int) -> None:
     vocab = engine.model_config.vocab_size
     for n in lengths:
         await _drain(engine, _prompt(n, vocab), _throwaway(SAMPLING_PATHS[0]))
-    await asyncio.gather(*(
-        _drain(engine, _prompt(8 + i, vocab), _throwaway(params)) for i, params in enumerate(SAMPLING_PATHS)))
+    await asyncio.gather(*(_drain(engine, _prompt(together_length, vocab, start=i), _throwaway(params))
+                           for i, params in enumerate(SAMPLING_PATHS)))
 
 
 def _throwaway(params: SamplingParams) -> SamplingParams:
     return dataclasses.replace(params, max_tokens=WARM_UP_TOKENS, ignore_eos=True)
 
 
-def _prompt(length: int, vocab: int) -> list[int]:
+def _prompt(length: int, vocab: int, start: int = 0) -> list[int]:
     # spread over the vocabulary, the same every bake: which tokens these are does not matter
-    return [(7919 * i + 13) % vocab for i in range(length)]
+    return [(7919 * i + 13) % vocab for i in range(start, start + length)]
 
 
 async def _drain(engine: "Engine", prompt: list[int], params: SamplingParams) -> None:
