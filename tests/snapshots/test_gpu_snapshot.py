@@ -3,6 +3,9 @@ restored by faas-bootstrap, serving the same greedy output as a cold start on th
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import httpx
 import openai
 import pytest
@@ -99,3 +102,51 @@ def test_a_helper_that_cannot_stream_leaves_it_to_the_restored_process(tiny_mode
     detail = weights_stage(state)["detail"]
     assert detail["after_restore"] and "not a faas-build layout" in detail["helper"], detail
     assert texts[0] == texts[1]
+
+
+#: random-weight models of real shapes whose gpu snapshot must serve what a cold start serves;
+#: THAWLLM_GPU_SHAPES=qwen2-1.5b,llama-3-8b for the 8B one too (16 GB written, a few minutes)
+REAL_SHAPES = os.environ.get("THAWLLM_GPU_SHAPES", "qwen2-1.5b").split(",")
+#: each shape's share of an H100, as in docs/benchmarks.md
+SHAPE_MEMORY = {"qwen2-1.5b": "0.12", "llama-3-8b": "0.25"}
+
+
+def greedy_tokens(server) -> tuple[list[str], list[float]]:
+    """48 greedy tokens and their logprobs: a random model's text is mostly empty, so the text alone proves
+    nothing, but the tokens and their logprobs name every choice."""
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=300)
+    model = client.models.list().data[0].id
+    r = client.completions.create(model=model, prompt="The function restores", max_tokens=48, temperature=0.0,
+                                  logprobs=1, extra_body={"ignore_eos": True})
+    return r.choices[0].logprobs.tokens, r.choices[0].logprobs.token_logprobs
+
+
+@pytest.mark.parametrize("shape", REAL_SHAPES)
+def test_a_real_shapes_gpu_snapshot_serves_like_a_cold_start(shape, tmp_path):
+    """The default gpu snapshot (weights left out, streamed during the restore, warmed up, the context's
+    stack released) of a model of a real shape: the same 48 greedy tokens with the same logprobs, to the
+    last bit, as a cold start on the same GPU."""
+    from runtime.weights.layout import write_layout
+    from scripts.model_shapes import make_random_model_dir
+    from snapshots.gpu import bake_gpu_snapshot
+
+    layout = tmp_path / shape
+    write_layout(str(make_random_model_dir(tmp_path / "source", shape)), str(layout), dtype="bfloat16",
+                 progress=False)
+    shutil.rmtree(tmp_path / "source")
+    env = {"DEVICE": "cuda", "MAX_MODEL_LEN": "4096", "GPU_MEMORY_UTILIZATION": SHAPE_MEMORY.get(shape, "0.25")}
+    snapshot_dir = tmp_path / "snapshots"
+    bake_gpu_snapshot(Settings.from_env({"MODEL": str(layout), **env}), layout, snapshot_dir)
+    served = {}
+    for name in ("cold", "gpu"):
+        server = start_server(tmp_path, name, MODEL=str(layout), API_KEY=API_KEY, RESTORE=name,
+                              SNAPSHOT_DIR=str(snapshot_dir), **env)
+        try:
+            server.wait_ready(timeout=600)
+            state = httpx.get(f"{server.url}/health", timeout=5).json()
+            assert state["restore_path"] == name, state
+            served[name] = greedy_tokens(server)
+        finally:
+            assert server.stop() == 0
+    assert len(served["cold"][0]) == 48
+    assert served["gpu"] == served["cold"]
