@@ -168,10 +168,10 @@ def main() -> int:
     os.close(args.ready_fd)
 
     received, conn, channel = handoff.receive(listener)  # <- checkpointed here; everything below runs restored
-    taken_over_at = time.time()
+    stack_started = time.time()
     if restore_local_memory():
-        received.restore_detail["stack_s"] = round(time.time() - taken_over_at, 4)
-        taken_over_at = time.time()
+        received.restore_detail["stack_s"] = round(time.time() - stack_started, 4)
+    taken_over_at = time.time()
     os.environ["THAWLLM_SPAWN_TIME"] = repr(received.spawn_time)
     if received.verify and engine.runner is not None:
         engine.runner.allocator.remap()  # the bake checks that released ranges map again (no-op if none)

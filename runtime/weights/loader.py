@@ -49,8 +49,9 @@ class LoaderOptions:
     read_bytes: int = 16 * MiB  # one preadv / ranged GET; one pinned slot
     slots_per_thread: int = 2  # read the next piece while the last one is copied
     verify: bool = True  # hash every chunk; off only to measure what it costs (scripts/bench_weights.py)
-    # From local files a piece is read and hashed in windows of this size, so each window is hashed while it
-    # is still in the reading core's cache instead of being fetched from memory again (0: whole pieces)
+    # From sources where small reads are cheap (local files) a piece is read and hashed in windows of this
+    # size, so each window is hashed while it is still in the reading core's cache instead of being fetched
+    # from memory again (0: whole pieces)
     hash_window_bytes: int = 1 * MiB
 
     def reader_threads(self, n_chunks: int) -> int:
@@ -184,7 +185,7 @@ class WeightStream:
             n = min(self.options.read_bytes, chunk.length - off)
             dst = chunk.buffer_offset + off
             piece = writer.slot(dst, n)
-            window = n if source.tier == "s3" else min(self.options.hash_window_bytes or n, n)  # one GET per piece
+            window = min(self.options.hash_window_bytes or n, n) if source.small_reads else n
             for w in range(0, n, window):
                 part = piece[w:w + window]
                 source.read_into(chunk.offset + off + w, part)

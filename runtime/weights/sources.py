@@ -17,6 +17,7 @@ from runtime.weights.s3 import S3Store, join_key, split_url
 
 class LocalFile:
     tier = "disk"
+    small_reads = True  # a preadv costs microseconds: the loader may read a piece in hash windows
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -44,6 +45,7 @@ class S3File:
     renamed into place once every chunk of the file has been verified."""
 
     tier = "s3"
+    small_reads = False  # one ranged GET per piece, never one per hash window
 
     def __init__(self, store: S3Store, url: str, entry: FileEntry, cache: DiskCache | None, final: Path | None):
         self.store = store
