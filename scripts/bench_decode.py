@@ -6,8 +6,9 @@ CUDA-graph rate is also measured one step at a time (ASYNC_SCHEDULING=0), in the
 For each model shape (random bf16 weights of the real shape; the same weights in both), for each batch
 size: steady-state decode tokens/s, and for batch 1 the step time against the HBM roofline (weight bytes /
 3.35 TB/s on an H100 SXM) and beside the GPU time of one replay of the batch-1 graph: the difference is what
-the host adds to each step (scheduling, staging inputs, sampling, the GPU idle in between). Prints one table
-and writes JSON.
+the host adds to each step (scheduling, staging inputs, sampling, the GPU idle in between). Batch 1 is also
+measured with every projection through cuBLAS instead of the one-token GEMV kernel (graph recaptured, same
+engine, same run). Prints the tables and writes JSON.
 
     python scripts/bench_decode.py --shapes qwen2-1.5b llama-3-8b --batch 1 8 32 64 --out decode.json
 """
@@ -22,6 +23,7 @@ import statistics
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -83,6 +85,18 @@ def graph_replay_ms(engine: Engine, replays: int = 100) -> float:
     return start.elapsed_time(end) / replays
 
 
+@contextmanager
+def cublas_projections():
+    """Every projection through cuBLAS, as before the one-token GEMV kernel: the same engine, in the same run."""
+    from runtime.engine.kernels import gemv
+
+    fits, gemv.fits = gemv.fits, lambda *args: False
+    try:
+        yield
+    finally:
+        gemv.fits = fits
+
+
 def hf_decode_rate(model, batch: int, steps: int) -> float:
     ids = torch.randint(100, 1000, (batch, PROMPT_LEN), device="cuda")
     kwargs = dict(do_sample=False, pad_token_id=0)
@@ -122,8 +136,17 @@ def bench_shape(name: str, batches: list[int], steps: int) -> list[dict]:
         engine.config = dataclasses.replace(engine.config, async_scheduling=True)
         replay_ms = graph_replay_ms(engine) if 1 in batches else None
         runner = engine.runner
+        cublas = {}
+        if 1 in batches:
+            with cublas_projections():
+                runner.capture_graphs(sizes=[1])
+                cublas = {"graphs_tok_s": engine_decode_rate(engine, 1, steps), "replay_ms": graph_replay_ms(engine)}
+            runner.capture_graphs(sizes=[1])
         sizes, runner.graph_batch_sizes = runner.graph_batch_sizes, []
         eager = {b: engine_decode_rate(engine, b, steps) for b in batches}
+        if 1 in batches:
+            with cublas_projections():
+                cublas["eager_tok_s"] = engine_decode_rate(engine, 1, steps)
         runner.graph_batch_sizes = sizes
         engine.shutdown()
         for b in batches:
@@ -139,6 +162,8 @@ def bench_shape(name: str, batches: list[int], steps: int) -> list[dict]:
                 row["host_ms"] = row["step_ms"] - replay_ms
                 row["roofline_ms"] = roofline_s * 1e3
                 row["roofline_fraction"] = roofline_s * graphs[b]
+                row["cublas_at_batch_1"] = {**cublas, "graphs_vs_eager": cublas["graphs_tok_s"] / cublas["eager_tok_s"],
+                                            "roofline_fraction": roofline_s * cublas["graphs_tok_s"]}
             rows.append(row)
     return rows
 
@@ -162,6 +187,13 @@ def main() -> None:
               f"{r['graphs_vs_transformers']:>6.2f} {extra}")
     if args.out:
         args.out.write_text(json.dumps(rows, indent=2))
+    print("\nbatch 1 with every projection through cuBLAS (no GEMV kernel), same engine, same run:")
+    for r in rows:
+        if "cublas_at_batch_1" in r:
+            c = r["cublas_at_batch_1"]
+            print(f"{r['shape']:<12} graphs {c['graphs_tok_s']:.0f} tok/s, eager {c['eager_tok_s']:.0f} tok/s, "
+                  f"g/eager {c['graphs_vs_eager']:.2f}, replay {c['replay_ms']:.2f} ms, "
+                  f"roofline {c['roofline_fraction']:.0%}")
 
 
 if __name__ == "__main__":

@@ -101,9 +101,9 @@ def test_fused_add_norm_rotary_and_swiglu_match_references():
 def test_whole_model_through_the_kernels_matches_the_reference_path(preset, tiny_model, engine_factory, monkeypatch):
     model_dir = tiny_model(preset)
     reference = engine_factory(model_dir)
-    prompts = [[3, 4, 5, 6, 7], [9] * 20]
+    together, alone = [[3, 4, 5, 6, 7], [9] * 20], [[11, 12, 13]]  # alone: one-token projections (GEMV)
 
-    async def run(engine):
+    async def run(engine, prompts):
         from runtime.engine import SamplingParams
 
         async def one(p):
@@ -111,6 +111,40 @@ def test_whole_model_through_the_kernels_matches_the_reference_path(preset, tiny
                     for t in o.token_ids]
         return await asyncio.gather(*[one(p) for p in prompts])
 
-    expected = asyncio.run(run(reference))
+    expected = [asyncio.run(run(reference, prompts)) for prompts in (together, alone)]
     monkeypatch.setattr(dispatch, "kernels_on_cpu", True)
-    assert asyncio.run(run(reference)) == expected
+    assert [asyncio.run(run(reference, prompts)) for prompts in (together, alone)] == expected
+
+
+@pytest.mark.parametrize("k,bias", [(96, False), (1040, True)])   # 1040: a chunk of K past the last full one
+def test_one_token_projection_matches_linear(k, bias, monkeypatch):
+    from runtime.engine.kernels import gemv
+    from runtime.engine.layers.linear import linear
+
+    monkeypatch.setattr(dispatch, "kernels_on_cpu", True)
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(1, k, generator=g), torch.randn(48, k, generator=g)
+    b = torch.randn(48, generator=g) if bias else None
+    expected = F.linear(x, w, b)
+    on = [t.to(DEVICE) if t is not None else None for t in (x, w, b)]
+    assert gemv.fits(on[0], on[1], on[2], None)
+    got = linear(*on).cpu()
+    assert got.shape == (1, 48) and (got - expected).abs().max() < 1e-4
+    out = torch.empty(1, 48, device=DEVICE)
+    assert linear(*on, out=out) is out and (out.cpu() - expected).abs().max() < 1e-4
+
+
+def test_projections_the_one_token_kernel_does_not_take_still_match_linear(monkeypatch):
+    from runtime.engine.kernels import gemv
+    from runtime.engine.layers.linear import linear
+
+    monkeypatch.setattr(dispatch, "kernels_on_cpu", True)
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(40, 64, generator=g).to(DEVICE)
+    two_tokens = torch.randn(2, 64, generator=g).to(DEVICE)
+    unaligned = torch.randn(1, 65, generator=g).to(DEVICE)[:, 1:]      # a view 4 bytes into its storage
+    odd = torch.randn(1, 64, generator=g).to(DEVICE), torch.randn(24, 64, generator=g).to(DEVICE)[:20]
+    assert not gemv.fits(two_tokens, w, None, None) and not gemv.fits(unaligned, w, None, None)
+    assert not gemv.fits(odd[0], odd[1], None, None)                  # 20 rows: not a multiple of 16
+    for x, weight in ((two_tokens, w), (unaligned, w), odd):
+        assert torch.allclose(linear(x, weight), F.linear(x, weight))

@@ -7,6 +7,11 @@ and capturing that small forward shows which handle each name has. Names still m
 looked up among all functions of the modules already found. A name that turns out to belong to two different
 functions (two specialisations of one Triton kernel, say) is left unresolved: the graphs that need it are
 captured live rather than risk the wrong code.
+
+Why triggering cannot be skipped for cuBLAS: on the H100 (CUDA 12.9 driver) each of cuBLAS's `nvjet` kernels
+is a module of its own, one function, loaded lazily at its first launch (2-3 ms each), and the decode graphs
+of Qwen2-1.5B use about 100 of them across the 35 sizes. Enumerating the modules already loaded finds none of
+the missing ones (measured; docs/benchmarks.md), and loading from several threads at once was no faster.
 """
 
 from __future__ import annotations

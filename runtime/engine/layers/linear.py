@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime.engine.layers.dispatch import use_kernels
+
 
 class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
@@ -18,7 +20,22 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias), into `out` if given. A single token on cuda goes through the GEMV kernel, which
+    reads the weights closer to HBM bandwidth than cuBLAS does at batch 1 (runtime/engine/kernels/gemv.py)."""
+    if use_kernels(x) and x.dim() == 2 and x.shape[0] == 1:
+        from runtime.engine.kernels.gemv import fits, gemv
+
+        if fits(x, weight, bias, out):
+            return gemv(x, weight, bias, out)
+    if out is None:
+        return F.linear(x, weight, bias)
+    result = torch.matmul(x, weight.t(), out=out)
+    return result if bias is None else result.add_(bias)
 
 
 class Embedding(nn.Module):

@@ -8,12 +8,11 @@ so a decode step launches few kernels.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from runtime.engine.layers.activation import silu_and_mul
 from runtime.engine.layers.attention import AttentionMetadata, paged_attention, store_kv
-from runtime.engine.layers.linear import Embedding, Linear
+from runtime.engine.layers.linear import Embedding, Linear, linear
 from runtime.engine.layers.norm import RMSNorm
 from runtime.engine.layers.rotary import apply_rotary
 from runtime.engine.model_config import ModelConfig
@@ -104,9 +103,7 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        if out is None:
-            return F.linear(hidden, self.lm_head.weight)
-        return torch.matmul(hidden, self.lm_head.weight.t(), out=out)
+        return linear(hidden, self.lm_head.weight, out=out)
 
 
 def build_on_meta(config: ModelConfig) -> LlamaForCausalLM:
