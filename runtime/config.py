@@ -120,6 +120,11 @@ class Settings:
     async_scheduling: bool = _setting(
         "ASYNC_SCHEDULING", _bool, True,
         "launch each decode step before reading the last one's tokens (off: one step at a time)")
+    graphs_before_ready: int = _setting(
+        "GRAPHS_BEFORE_READY", _positive_int, 8,
+        "materialized restores: the largest decode batch size whose CUDA graph is rebuilt before the server is "
+        "ready; larger ones are rebuilt in the background right after, and a batch that finds its graph not "
+        "rebuilt yet runs on a larger one or eagerly (256: every graph before ready)")
     gpu_snapshot_weights: str = _setting(
         "GPU_SNAPSHOT_WEIGHTS", _choice("stream", "image"), "stream",
         "faas-build gpu snapshots: stream (weights and KV cache left out of the image, weights streamed back "

@@ -25,11 +25,12 @@ WEIGHTS = "weights"
 KV_CACHE = "kv_cache"
 CUDA_GRAPHS = "cuda_graphs"
 READY = "ready"
+GRAPHS_AFTER_READY = "graphs_after_ready"  # materialised graphs of larger batch sizes, built while serving
 FIRST_TOKEN = "first_token"
 
 #: the order stages are printed and drawn in
 STAGE_ORDER = (RUNTIME_INIT, RESTORE, MODEL_SOURCE, TOKENIZER, MODEL_STRUCTURE, KERNEL_PREP, CUDA_INIT, WEIGHTS,
-               KV_CACHE, CUDA_GRAPHS, READY, FIRST_TOKEN)
+               KV_CACHE, CUDA_GRAPHS, READY, GRAPHS_AFTER_READY, FIRST_TOKEN)
 
 
 @dataclass

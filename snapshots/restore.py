@@ -141,7 +141,7 @@ def materialized_state(settings: Settings) -> tuple[int, "MaterializedGraphs"]:
     from snapshots.cudagraph.restore import MaterializedGraphs
     from snapshots.materialized import load_kv_blocks
 
-    return load_kv_blocks(directory), MaterializedGraphs(directory)
+    return load_kv_blocks(directory), MaterializedGraphs(directory, settings.graphs_before_ready)
 
 
 def check_fingerprint(baked: Fingerprint, here: Fingerprint, kind: str) -> None:

@@ -10,6 +10,7 @@ import pytest
 from runtime.engine import EngineConfig, SamplingParams
 from runtime.launch import build_engine
 from snapshots.materialized import bake_materialized, load_kv_blocks
+from snapshots.cudagraph.probe import probe_graphs
 from snapshots.cudagraph.restore import MaterializedGraphs
 
 pytestmark = pytest.mark.gpu
@@ -51,6 +52,7 @@ def test_restored_graphs_are_bit_identical_and_generate_the_same(shape, gpu_mode
     try:
         captured.start(kv_blocks=load_kv_blocks(materialized))  # same KV size; graphs captured live
         expected = greedy(captured)
+        expected_logits = probe_graphs(captured.runner)
     finally:
         captured.shutdown()
 
@@ -63,3 +65,18 @@ def test_restored_graphs_are_bit_identical_and_generate_the_same(shape, gpu_mode
         assert greedy(restored) == expected
     finally:
         restored.shutdown()
+
+    # The default for a function: graphs up to batch 8 before ready, the rest built while it already serves.
+    deferred = build_engine(model_dir, config)
+    try:
+        deferred.start(kv_blocks=load_kv_blocks(materialized),
+                       graph_restorer=MaterializedGraphs(materialized, before_ready_up_to=8))
+        assert deferred.timeline.get("cuda_graphs").detail["pending"] == 31
+        assert greedy(deferred) == expected                      # served while the other 31 are being built
+        assert deferred.wait_for_graphs(timeout=120)
+        assert deferred.graph_fallbacks == {}
+        assert sorted(deferred.runner.graphs) == sorted(config.cuda_graph_batch_sizes)
+        assert deferred.timeline.get("graphs_after_ready").detail["built"] == 31
+        assert probe_graphs(deferred.runner) == expected_logits  # all 35 bit for bit, built live or after ready
+    finally:
+        deferred.shutdown()

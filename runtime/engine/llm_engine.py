@@ -50,11 +50,17 @@ LoadWeights = Callable[[WeightPlan, torch.Tensor], WeightLoad]
 
 class GraphRestorer(Protocol):
     """Rebuilds the decode graphs from a materialised description instead of capturing them
-    (snapshots/cudagraph). Returns the batch sizes it could not restore, which are captured live."""
+    (snapshots/cudagraph). `restore` returns the batch sizes it could not restore, which are captured live;
+    the sizes it leaves `pending` are built by `restore_pending` on a thread of their own once the engine
+    serves (a batch that finds its graph not built yet runs on a larger one, or eagerly)."""
 
     timings: dict[str, float]  # seconds of each part of the restore, for the timeline
+    pending: list[int]
+    pending_timings: dict[str, float]
 
     def restore(self, runner: ModelRunner) -> dict[int, str]: ...
+
+    def restore_pending(self, runner: ModelRunner) -> dict[int, str]: ...
 
 
 @dataclass
@@ -94,6 +100,7 @@ class Engine:
         self.runner: ModelRunner | None = None
         self.kv_profile: KVProfile | None = None
         self.graph_fallbacks: dict[int, str] = {}
+        self._graphs_thread: threading.Thread | None = None
         self.ready = False
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._requests: dict[str, _Request] = {}
@@ -163,6 +170,10 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
         self.ready = True
+        if graph_restorer is not None and graph_restorer.pending:
+            self._graphs_thread = threading.Thread(target=self._restore_pending_graphs, args=(graph_restorer,),
+                                                   name="graphs-after-ready", daemon=True)
+            self._graphs_thread.start()
 
     def _allocate_kv(self, runner: ModelRunner, kv_blocks: int | None, releasable: bool) -> int:
         """The KV cache: `config.num_kv_blocks` if set, else `kv_blocks` (materialised), else profiled on
@@ -188,10 +199,34 @@ class Engine:
                 graph_stage.detail.update(restorer.timings)
                 for bs, why in self.graph_fallbacks.items():
                     log.warning("graph for batch size %d captured live: %s", bs, why)
-            missing = [bs for bs in runner.graph_batch_sizes if bs not in runner.graphs]
+            pending = set(restorer.pending) if restorer is not None else set()
+            missing = [bs for bs in runner.graph_batch_sizes if bs not in runner.graphs and bs not in pending]
             if missing:
                 runner.capture_graphs(sizes=missing)
             graph_stage.detail["graphs"] = len(runner.graphs)
+            if pending:
+                graph_stage.detail["pending"] = len(pending)
+
+    def _restore_pending_graphs(self, restorer: GraphRestorer) -> None:
+        sizes = list(restorer.pending)
+        with self.timeline.stage(stages.GRAPHS_AFTER_READY, graphs=len(sizes)) as stage:
+            try:
+                fallbacks = restorer.restore_pending(self.runner)
+            except Exception as exc:  # the engine keeps serving on the graphs it has
+                log.exception("restoring the remaining CUDA graphs failed")
+                fallbacks = {bs: str(exc) for bs in sizes if bs not in self.runner.graphs}
+            stage.detail.update(restorer.pending_timings)
+        for bs, why in fallbacks.items():
+            log.warning("graph for batch size %d not restored (%s): its batches run on a larger graph or eagerly",
+                        bs, why)
+        self.graph_fallbacks.update(fallbacks)
+
+    def wait_for_graphs(self, timeout: float | None = None) -> bool:
+        """Wait until the graphs left for after ready are built; False if `timeout` ran out first."""
+        if self._graphs_thread is not None:
+            self._graphs_thread.join(timeout)
+            return not self._graphs_thread.is_alive()
+        return True
 
     def release_device_memory(self) -> int:
         """Free the physical memory of the weights and the KV cache, keeping their addresses (a weight-less
@@ -251,6 +286,7 @@ class Engine:
 
     def shutdown(self) -> None:
         """Stop the step loop and give the device memory back (the engine cannot be started again)."""
+        self.wait_for_graphs()
         if self._thread is not None:
             self._inbox.put(("stop", None))
             self._thread.join(timeout=10)

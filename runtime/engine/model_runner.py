@@ -216,15 +216,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run_first_layers(self, batch_size: int, num_layers: int = 1) -> None:
-        """An eager decode step through the first layers only: loads the kernel modules a full step uses."""
+        """An eager decode step through the first layers only: loads the kernel modules a full step at this
+        batch size uses. Its inputs are its own, shaped like the graphs' (so Triton picks the same
+        specialisations), its keys and values go to the reserved block and its logits to scratch: it may run
+        while the engine serves (materialised graphs restored after ready)."""
         d = self.decode
+        tables = torch.zeros_like(d.block_tables[:batch_size])
         meta = AttentionMetadata(
-            slot_mapping=d.slot_mapping[:batch_size], query_start_loc=d.arange[:batch_size + 1],
-            seq_lens=d.seq_lens[:batch_size], block_tables=d.block_tables[:batch_size],
+            slot_mapping=torch.zeros_like(d.slot_mapping[:batch_size]), query_start_loc=d.arange[:batch_size + 1],
+            seq_lens=torch.ones_like(d.seq_lens[:batch_size]), block_tables=tables,
             tile_seq=d.arange[:batch_size], tile_q_start=d.arange[:batch_size], block_q=1)
-        hidden = self.model(d.input_ids[:batch_size], d.positions[:batch_size], meta, self.kv_caches,
-                            self.cos_sin, num_layers=num_layers)
-        self.model.compute_logits(hidden, out=d.logits[:batch_size])
+        ids = torch.zeros_like(d.input_ids[:batch_size])
+        hidden = self.model(ids, torch.zeros_like(ids), meta, self.kv_caches, self.cos_sin, num_layers=num_layers)
+        self.model.compute_logits(hidden, out=torch.empty_like(d.logits[:batch_size]))
 
     # -- execution ---------------------------------------------------------------------------------
 

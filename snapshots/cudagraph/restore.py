@@ -3,12 +3,14 @@
 Order: check that the engine allocated the same buffers in the same order, recreate the scratch segments,
 write this process's addresses into every relocated parameter word (one vectorised pass over params.bin),
 resolve kernel names to handles, then add the nodes and instantiate each graph. None of it needs the
-weights' values, so it runs while they are still streaming in.
+weights' values, so it runs while they are still streaming in; the graphs of larger batch sizes can be left
+until the engine serves (MaterializedGraphs.before_ready_up_to).
 """
 
 from __future__ import annotations
 
 import ctypes
+import time
 from ctypes import POINTER, c_size_t, c_void_p
 from pathlib import Path
 
@@ -41,16 +43,26 @@ class RestoredGraph:
 
 
 class MaterializedGraphs:
-    """The engine's GraphRestorer for a graph snapshot directory (see runtime/engine/llm_engine.py)."""
+    """The engine's GraphRestorer for a graph snapshot directory (see runtime/engine/llm_engine.py).
 
-    def __init__(self, directory: str | Path) -> None:
+    `before_ready_up_to` splits the work: every description is loaded and patched, and the graphs up to that
+    batch size are built, before the engine is ready; the larger ones are `pending`, built by
+    `restore_pending` once the engine serves (their kernels are mostly cuBLAS's, loaded one module at a time,
+    0.7-1 s for all 35 sizes on the H100). None builds every graph before ready."""
+
+    def __init__(self, directory: str | Path, before_ready_up_to: int | None = None) -> None:
         self.directory = Path(directory)
+        self.before_ready_up_to = before_ready_up_to
         self.segments: list[torch.Tensor] = []  # scratch memory the restored graphs point into; kept alive
         self.timings: dict[str, float] = {}
+        self.pending_timings: dict[str, float] = {}
+        self.pending: list[int] = []
+        self._later: list[GraphRecord] = []
+        self._handles: dict[str, int] = {}
+        self._bases: dict[tuple[str, int], int] = {}
+        self._blob: np.ndarray | None = None
 
     def restore(self, runner: ModelRunner) -> dict[int, str]:
-        import time
-
         t0 = time.perf_counter()
         graph_set, params = GraphSet.load(self.directory)
         wanted = [g for g in graph_set.graphs if g.batch_size in runner.graph_batch_sizes]
@@ -64,33 +76,55 @@ class MaterializedGraphs:
                 cu.copy_to_device(memory.data_ptr(), (self.directory / segment.contents).read_bytes())
             self.segments.append(memory)
             bases[(SEGMENT, segment.ordinal)] = memory.data_ptr()
-        blob = patch_parameters(params, graph_set.relocations, bases)
+        self._bases, self._blob = bases, patch_parameters(params, graph_set.relocations, bases)
+        limit = self.before_ready_up_to
+        now = [g for g in wanted if limit is None or g.batch_size <= limit]
+        self._later = [g for g in wanted if g not in now]
+        self.pending = [g.batch_size for g in self._later]
+        load_s = time.perf_counter() - t0
+        fallbacks, self.timings = self._build(runner, now)
+        self.timings = {"load_and_patch_s": round(load_s, 4), **self.timings}
+        return fallbacks
+
+    def restore_pending(self, runner: ModelRunner) -> dict[int, str]:
+        """Build the graphs `restore` left pending, each usable as soon as it is built. Safe while the engine
+        serves: the kernel triggering runs on inputs of its own (ModelRunner.run_first_layers)."""
+        records, self._later, self.pending = self._later, [], []
+        fallbacks, self.pending_timings = self._build(runner, records)
+        self._blob = None
+        return fallbacks
+
+    def _build(self, runner: ModelRunner, records: list[GraphRecord]) -> tuple[dict[int, str], dict[str, float]]:
+        t0 = time.perf_counter()
+        needed = {n.name for g in records for n in g.nodes if isinstance(n, KernelNode)} - self._handles.keys()
+        if needed:
+            self._handles.update(resolve_kernels(runner, trigger_batch_sizes(records, needed), needed))
         t1 = time.perf_counter()
-        handles = resolve_kernels(runner, trigger_batch_sizes(wanted), set(graph_set.kernel_names))
-        t2 = time.perf_counter()
         fallbacks = {}
-        blob_address = blob.ctypes.data
-        for record in wanted:
+        for record in records:
             try:
-                runner.graphs[record.batch_size] = build_graph(record, blob_address, handles, bases)
+                runner.graphs[record.batch_size] = build_graph(record, self._blob.ctypes.data, self._handles,
+                                                               self._bases)
             except KeyError as missing:
                 fallbacks[record.batch_size] = f"kernel {str(missing)[:80]} is not loaded in this process"
             except cu.CudaError as exc:
                 fallbacks[record.batch_size] = str(exc)
         torch.cuda.synchronize()
-        self.timings = {"load_and_patch_s": round(t1 - t0, 4), "kernels_s": round(t2 - t1, 4),
-                        "build_s": round(time.perf_counter() - t2, 4)}
-        return fallbacks
+        return fallbacks, {"kernels_s": round(t1 - t0, 4), "build_s": round(time.perf_counter() - t1, 4),
+                           "built": len(records) - len(fallbacks)}
 
 
-def trigger_batch_sizes(graphs: list[GraphRecord]) -> list[int]:
-    """The few batch sizes whose graphs, together, use every kernel the graphs use (a greedy cover): one
-    first-layer run at each loads every module, instead of one at each of the 35 sizes (Medusa 5.2's
-    triggering, once per shape class). A layer's kernels are the whole graph's, so graph names suffice."""
+def trigger_batch_sizes(graphs: list[GraphRecord], needed: set[str] | None = None) -> list[int]:
+    """The few batch sizes whose graphs, together, use every kernel name in `needed` (default: every kernel
+    the graphs use), a greedy cover: one first-layer run at each loads every module, instead of one at each of
+    the 35 sizes (Medusa 5.2's triggering, once per shape class). A layer's kernels are the whole graph's, so
+    graph names suffice."""
     names = {g.batch_size: {n.name for n in g.nodes if isinstance(n, KernelNode)} for g in graphs}
-    needed = set().union(*names.values()) if names else set()
+    if needed is None:
+        needed = set().union(*names.values()) if names else set()
+    needed = set(needed)
     chosen: list[int] = []
-    while needed:
+    while needed and names:
         best = max(names, key=lambda bs: (len(names[bs] & needed), -bs))
         chosen.append(best)
         needed -= names.pop(best)
