@@ -56,11 +56,15 @@ class MaterializedGraphs:
         self.segments: list[torch.Tensor] = []  # scratch memory the restored graphs point into; kept alive
         self.timings: dict[str, float] = {}
         self.pending_timings: dict[str, float] = {}
-        self.pending: list[int] = []
         self._later: list[GraphRecord] = []
         self._handles: dict[str, int] = {}
         self._bases: dict[tuple[str, int], int] = {}
         self._blob: np.ndarray | None = None
+
+    @property
+    def pending(self) -> list[int]:
+        """The batch sizes left for `restore_pending`."""
+        return [g.batch_size for g in self._later]
 
     def restore(self, runner: ModelRunner) -> dict[int, str]:
         t0 = time.perf_counter()
@@ -80,7 +84,6 @@ class MaterializedGraphs:
         limit = self.before_ready_up_to
         now = [g for g in wanted if limit is None or g.batch_size <= limit]
         self._later = [g for g in wanted if g not in now]
-        self.pending = [g.batch_size for g in self._later]
         load_s = time.perf_counter() - t0
         fallbacks, self.timings = self._build(runner, now)
         self.timings = {"load_and_patch_s": round(load_s, 4), **self.timings}
@@ -89,7 +92,7 @@ class MaterializedGraphs:
     def restore_pending(self, runner: ModelRunner) -> dict[int, str]:
         """Build the graphs `restore` left pending, each usable as soon as it is built. Safe while the engine
         serves: the kernel triggering runs on inputs of its own (ModelRunner.run_first_layers)."""
-        records, self._later, self.pending = self._later, [], []
+        records, self._later = self._later, []
         fallbacks, self.pending_timings = self._build(runner, records)
         self._blob = None
         return fallbacks
