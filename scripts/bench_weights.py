@@ -3,11 +3,13 @@
 For each shape (a random-weight model of a real shape, scripts/model_shapes.py), GiB/s of:
   limit_read      the layout files read in parallel (16 threads, 64 MiB preadv) and thrown away
   limit_h2d       pinned host memory -> GPU, 256 MiB copies (GPU only)
-  loader_xxh3-128 runtime/weights/loader.py into the engine's flat buffer, verified on the way with the
-                  default chunk hash
-  loader_nohash   the same without verification: what hashing costs (page cache only)
-  loader_blake3   the same from a layout built with --hash blake3, and loader_sha256 with --hash sha256
-                  (--compare-hashes; each built, measured and deleted before the next)
+  loader          runtime/weights/loader.py into the engine's flat buffer, as the engine runs it: on a GPU
+                  each chunk checked there once it lands (device checksums), on CPU hashed on the host
+  loader_host_xxh3-128  the same with the chunks hashed on the host (LoaderOptions.verify_on_device=False),
+                  in 1 MiB windows as they are read; loader_hash_whole_piece hashing whole 16 MiB pieces
+  loader_nohash   the same without verification: what verifying costs (page cache only)
+  loader_host_blake3  hashed on the host from a layout built with --hash blake3, and loader_host_sha256
+                  with --hash sha256 (--compare-hashes; each built, measured and deleted before the next)
   safetensors     safetensors load_file, then .to(device), tensor by tensor
   transformers    AutoModelForCausalLM.from_pretrained(dtype=bfloat16) then .to(device) (page cache only)
   loader_s3       the loader from a moto S3 server on loopback (--s3-shapes), then again from the disk cache
@@ -210,7 +212,9 @@ def bench_shape(shape: str, args, work: Path) -> dict:
     files = [layout / f.name for f in manifest.files]
     st_files = sorted(model_dir.glob("*.safetensors"))
     st_bytes = sum(p.stat().st_size for p in st_files)
-    options = LoaderOptions(threads=args.threads, read_bytes=args.read_mb * MiB)
+    options = LoaderOptions(threads=args.threads)
+    if args.read_mb:
+        options = dataclasses.replace(options, read_bytes=args.read_mb * MiB)
     print(f"{shape}: {nbytes / GiB:.2f} GiB in {len(files)} files", flush=True)
     cold = not args.no_cold
     result = {"shape": shape, "bytes": nbytes, "files": len(files),
@@ -220,18 +224,21 @@ def bench_shape(shape: str, args, work: Path) -> dict:
     if result["limit_h2d_gib_s"] is not None:
         result["limit_h2d_gib_s"] = round(result["limit_h2d_gib_s"], 2)
         print(f"  {'limit_h2d':<16} {result['limit_h2d_gib_s']}", flush=True)
-    name = f"loader_{DEFAULT_HASH}"
-    result[name] = warm_and_cold(name, lambda: load_layout(layout, device, options), files, nbytes, device, args.repeat,
-                                 cold)
+    result["loader"] = warm_and_cold("loader", lambda: load_layout(layout, device, options), files, nbytes, device,
+                                     args.repeat, cold)
+    host = dataclasses.replace(options, verify_on_device=False)
+    name = f"loader_host_{DEFAULT_HASH}"
+    result[name] = warm_and_cold(name, lambda: load_layout(layout, device, host), files, nbytes, device, args.repeat,
+                                 False)
     if device == "cuda":
         result["loader_driver"] = warm_and_cold("loader_driver", lambda: load_layout_driver(layout, options), files,
                                                 nbytes, device, args.repeat, False)
-    whole = dataclasses.replace(options, hash_window_bytes=0)  # each 16 MiB piece hashed after it is read
+    whole = dataclasses.replace(host, hash_window_bytes=0)  # each 16 MiB piece hashed after it is read
     result["loader_hash_whole_piece"] = warm_and_cold("loader_hash_whole_piece", lambda: load_layout(
         layout, device, whole), files, nbytes, device, args.repeat, False)
     if args.sweep:
         result["sweep"] = sweep(layout, files, nbytes, device, args.repeat)
-    unverified = LoaderOptions(threads=args.threads, read_bytes=args.read_mb * MiB, verify=False)
+    unverified = dataclasses.replace(options, verify=False)
     result["loader_nohash"] = warm_and_cold("loader_nohash", lambda: load_layout(layout, device, unverified), files,
                                             nbytes, device, args.repeat, False)
     result["safetensors"] = warm_and_cold("safetensors", lambda: load_safetensors(model_dir, device), st_files,
@@ -246,8 +253,8 @@ def bench_shape(shape: str, args, work: Path) -> dict:
         shutil.rmtree(other, ignore_errors=True)
         write_layout(str(model_dir), str(other), dtype="bfloat16", hash=hash, progress=False)
         other_files = [other / f.name for f in manifest.files]
-        result[f"loader_{hash}"] = warm_and_cold(f"loader_{hash}", lambda: load_layout(other, device, options),
-                                                 other_files, nbytes, device, args.repeat, cold)
+        result[f"loader_host_{hash}"] = warm_and_cold(f"loader_host_{hash}", lambda: load_layout(other, device, host),
+                                                      other_files, nbytes, device, args.repeat, cold)
         shutil.rmtree(other)
     if args.cleanup:
         for path in (model_dir, layout, work / "s3-cache"):
@@ -256,9 +263,9 @@ def bench_shape(shape: str, args, work: Path) -> dict:
 
 
 def table(results: list[dict]) -> str:
-    by_hash = [f"loader_{h}" for h in HASHES]
-    rows = [f"{'shape':<12} {'GiB':>6} | {'read lim':>14} {'h2d lim':>7} | "
-            + " ".join(f"{h:>12}" for h in HASHES) + f" {'piece':>6} {'no hash':>7} | {'safetensors':>14} "
+    by_hash = [f"loader_host_{h}" for h in HASHES]
+    rows = [f"{'shape':<12} {'GiB':>6} | {'read lim':>14} {'h2d lim':>7} | {'loader':>12} | "
+            + " ".join(f"{'host ' + h:>12}" for h in HASHES) + f" {'piece':>6} {'no hash':>7} | {'safetensors':>14} "
             f"{'transformers':>12} | {'s3':>6} {'s3->cache':>9} | {'loader/limit':>12}"]
 
     def wc(row: dict | None) -> str:
@@ -269,17 +276,18 @@ def table(results: list[dict]) -> str:
     for r in results:
         limit = min(x for x in (r["limit_read"]["warm_gib_s"], r["limit_h2d_gib_s"]) if x)
         s3 = r.get("loader_s3", {})
-        loader = r[f"loader_{DEFAULT_HASH}"]["warm_gib_s"]
         rows.append(f"{r['shape']:<12} {r['bytes'] / GiB:6.2f} | {wc(r['limit_read']):>14} "
-                    f"{r['limit_h2d_gib_s'] or '-':>7} | " + " ".join(f"{wc(r.get(k)):>12}" for k in by_hash)
+                    f"{r['limit_h2d_gib_s'] or '-':>7} | {wc(r['loader']):>12} | "
+                    + " ".join(f"{wc(r.get(k)):>12}" for k in by_hash)
                     + f" {r['loader_hash_whole_piece']['warm_gib_s']:>6} {r['loader_nohash']['warm_gib_s']:>7} | "
                     f"{wc(r['safetensors']):>14} "
                     f"{wc(r.get('transformers')):>12} | {s3.get('s3_gib_s', '-'):>6} "
-                    f"{s3.get('disk_cache_gib_s', '-'):>9} | {loader / limit:12.0%}")
+                    f"{s3.get('disk_cache_gib_s', '-'):>9} | {r['loader']['warm_gib_s'] / limit:12.0%}")
     return "\n".join(rows) + (
-        f"\n(GiB/s, warm page cache / cold disk; the loader verifying with each chunk hash, and without (warm); "
-        f"piece: {DEFAULT_HASH} hashing whole 16 MiB pieces after reading them instead of 1 MiB windows as they "
-        f"land (warm); loader/limit is {DEFAULT_HASH}'s warm against min(read, h2d))")
+        "\n(GiB/s, warm page cache / cold disk. loader: as the engine runs it (on a GPU, checked there); host: "
+        "hashed on the host with each chunk hash, in 1 MiB windows; piece: host "
+        f"{DEFAULT_HASH} over whole 16 MiB pieces; no hash: unverified (warm); loader/limit: warm loader against "
+        "min(read, h2d))")
 
 
 def main() -> None:
@@ -289,7 +297,7 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--work", type=Path, default=Path("/tmp/bench-weights"))
     p.add_argument("--threads", type=int, default=0, help="loader reader threads (0: one per core, at most 16)")
-    p.add_argument("--read-mb", type=int, default=16, help="loader read size (one pinned slot)")
+    p.add_argument("--read-mb", type=int, default=0, help="loader read size, one pinned slot (0: the loader's own)")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--sweep", action="store_true", help="also the loader over threads x read size x slots")
     p.add_argument("--no-cold", action="store_true")

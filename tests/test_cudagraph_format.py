@@ -34,6 +34,14 @@ def test_format_round_trips(tmp_path):
     assert any(n.name.startswith("nvjet") for _, n in kernel_nodes(graph_set))  # cuBLAS, params via extra
 
 
+def test_graphs_left_unparsed_at_load_parse_later_into_the_same_records():
+    whole, _ = GraphSet.load(FIXTURE)
+    part, _ = GraphSet.load(FIXTURE, parse=lambda bs: bs == 1)
+    assert [g.batch_size for g in part.graphs] == [1] and list(part.unparsed) == [2]
+    assert part.parse_graph(2) == whole.graphs[1]
+    assert part.graphs == whole.graphs and not part.unparsed
+
+
 def test_unknown_format_version_is_refused(tmp_path):
     shutil.copytree(FIXTURE, tmp_path / "g")
     raw = json.loads((tmp_path / "g" / "graphs.json").read_text())

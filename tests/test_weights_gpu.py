@@ -72,3 +72,45 @@ def test_weights_streamed_by_a_torch_free_process_map_under_the_engines_range(ti
     ours.sendall(ACK)
     assert helper.wait(timeout=60) == 0  # 3: it imported torch
     assert torch.equal(weights.tensor[:plan.total_bytes], expected)
+
+
+def test_a_local_load_is_verified_on_the_gpu_and_a_flipped_bit_names_its_file(tiny_model, tmp_path):
+    from runtime.weights.errors import WeightsError
+    from runtime.weights.manifest import Manifest
+
+    layout = tmp_path / "layout"
+    write_layout(tiny_model("tiny-qwen3"), str(layout), dtype="bfloat16", file_bytes=100_000, chunk_bytes=40_000,
+                 progress=False)
+    manifest = Manifest.read(layout)
+    buffer = torch.zeros(manifest.total_bytes, dtype=torch.uint8, device="cuda")
+    load = layout_loader(layout)(manifest.plan, buffer).wait()
+    assert load.verified == "device"
+    assert buffer.cpu().numpy().tobytes() == b"".join((layout / f.name).read_bytes() for f in manifest.files)
+
+    victim = layout / manifest.files[1].name
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 3] ^= 0x04
+    victim.write_bytes(bytes(data))
+    with pytest.raises(WeightsError, match=rf"{manifest.files[1].name} chunk \d+ .* fails its device checksum check"):
+        layout_loader(layout)(manifest.plan, buffer).wait()
+    on_host = layout_loader(layout, LoaderOptions(verify_on_device=False))
+    with pytest.raises(WeightsError, match=rf"{manifest.files[1].name} chunk \d+ .* fails its xxh3-128 check"):
+        on_host(manifest.plan, buffer).wait()
+
+
+def test_a_layout_without_device_checksums_is_verified_on_the_host(tiny_model, tmp_path):
+    import orjson
+
+    from runtime.weights.manifest import MANIFEST, Manifest
+
+    layout = tmp_path / "layout"
+    write_layout(tiny_model("tiny-qwen3"), str(layout), dtype="bfloat16", file_bytes=100_000, chunk_bytes=40_000,
+                 progress=False)
+    raw = orjson.loads((layout / MANIFEST).read_bytes())  # as faas-build wrote it before device checksums
+    for entry in raw["files"]:
+        del entry["device_sums"]
+    (layout / MANIFEST).write_bytes(orjson.dumps(raw))
+    manifest = Manifest.read(layout)
+    buffer = torch.zeros(manifest.total_bytes, dtype=torch.uint8, device="cuda")
+    assert layout_loader(layout)(manifest.plan, buffer).wait().verified == "host"
+    assert buffer.cpu().numpy().tobytes() == b"".join((layout / f.name).read_bytes() for f in manifest.files)

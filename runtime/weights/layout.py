@@ -23,6 +23,7 @@ from tqdm import tqdm
 from runtime.engine.model_config import ModelConfig
 from runtime.engine.weight_plan import ITEMSIZES, PlannedTensor, WeightPlan, plan_weights, torch_dtype
 from runtime.logs import get_logger
+from runtime.weights.device_checksum import ChunkSum
 from runtime.weights.errors import WeightsError
 from runtime.weights.manifest import (
     DEFAULT_HASH,
@@ -153,7 +154,8 @@ def _write_local(model_dir: Path, out: Path, dtype: str, file_bytes: int, chunk_
         for i, (start, end, planned) in enumerate(groups):
             name = f"weights-{i:05d}.bin"
             _write_file(out / name, start, end, planned, source, torch_dtype(dtype), bar)
-            files.append(FileEntry(name, start, end - start, chunk_bytes, hash_chunks(out / name, chunk_bytes, hash)))
+            digests, device_sums = hash_chunks(out / name, chunk_bytes, hash, device_sums=start % 4 == 0)
+            files.append(FileEntry(name, start, end - start, chunk_bytes, digests, device_sums))
             tensors += [TensorEntry(t.name, dtype, t.shape, name, t.offset - start, t.nbytes) for t in planned]
             if on_file is not None:
                 on_file(out / name)
@@ -195,22 +197,29 @@ def _write_file(path: Path, start: int, end: int, planned: list[PlannedTensor], 
             bar.update(t.nbytes)
 
 
-def hash_chunks(path: Path, chunk_bytes: int, hash: str) -> tuple[str, ...]:
+def hash_chunks(path: Path, chunk_bytes: int, hash: str,
+                device_sums: bool = True) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Each chunk's digest in `hash` and (if `device_sums` and the chunks start on 4-byte boundaries) its
+    device checksum, from one read of the file."""
     size = path.stat().st_size
+    device_sums = device_sums and chunk_bytes % 4 == 0
 
-    def digest(offset: int) -> str:
-        h = chunk_hasher(hash)
+    def digest(offset: int) -> tuple[str, str]:
+        h, s = chunk_hasher(hash), ChunkSum()
         with open(path, "rb") as f:
             f.seek(offset)
             left = min(chunk_bytes, size - offset)
             while left:
                 block = f.read(min(HASH_BLOCK, left))
                 h.update(block)
+                if device_sums:
+                    s.update(block)
                 left -= len(block)
-        return h.hexdigest()
+        return h.hexdigest(), s.hexdigest()
 
     with ThreadPoolExecutor(min(8, os.cpu_count() or 2)) as pool:
-        return tuple(pool.map(digest, range(0, size, chunk_bytes)))
+        pairs = list(pool.map(digest, range(0, size, chunk_bytes)))
+    return tuple(d for d, _ in pairs), tuple(s for _, s in pairs) if device_sums else ()
 
 
 class _SafetensorsDir:

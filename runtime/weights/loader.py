@@ -1,12 +1,16 @@
 """The pipelined loader of a faas-build layout: an engine `LoadWeights` that returns at once.
 
 Reader threads take the layout's hashed chunks in buffer order. Each reads its chunk in `read_bytes` pieces
-(preadv from disk, or ranged GETs from S3) into its own ring of pinned host buffers, hashes every piece as it
-lands (from disk a 1 MiB window at a time, while it is in cache; xxhash, blake3 and hashlib release the GIL
-on large buffers, so hashing scales with the readers), and
-enqueues the copy to the GPU on its own side stream; a slot is reused only once its copy's event has completed.
-On CPU the pieces are read straight into the weight buffer (no pinned memory, no stream, no copy). A chunk
-whose hash differs fails the load with an error naming the file: the model is never used half-wrong.
+(preadv from disk, or ranged GETs from S3) into its own ring of pinned host buffers and enqueues the copy to
+the GPU on its own side stream; a slot is reused only once its copy's event has completed. On CPU the pieces
+are read straight into the weight buffer (no pinned memory, no stream, no copy).
+
+Every chunk is verified before `wait()` returns. From local files into a CUDA buffer the GPU does it: once a
+file's chunks have landed, a kernel computes their device checksums (runtime/weights/device_checksum.py), so
+the host reads each byte once. Otherwise (S3, the CPU, the torch-free restore helper, layouts without device
+checksums) the readers hash each piece as it lands, from disk a 1 MiB window at a time while it is in cache
+(xxhash, blake3 and hashlib release the GIL on large buffers, so hashing scales with the readers). A chunk
+that fails its check fails the load with an error naming the file: the model is never used half-wrong.
 
 `wait_tensor(name)` returns as soon as that tensor's chunks are in place, so a caller may use the first
 layers while the last ones stream; `wait()` is the end of the whole load.
@@ -46,13 +50,19 @@ MiB = 1 << 20
 @dataclass(frozen=True)
 class LoaderOptions:
     threads: int = 0  # 0: one per core, at most 16
-    read_bytes: int = 16 * MiB  # one preadv / ranged GET; one pinned slot
+    # one preadv / ranged GET; one pinned slot. Each piece costs a few hand-overs of the GIL, and each MiB of
+    # pinned slots ~0.6 ms to pin in a fresh process; 8 and 16 MiB load alike once warm (H100 machine)
+    read_bytes: int = 8 * MiB
     slots_per_thread: int = 2  # read the next piece while the last one is copied
     verify: bool = True  # hash every chunk; off only to measure what it costs (scripts/bench_weights.py)
-    # From sources where small reads are cheap (local files) a piece is read and hashed in windows of this
-    # size, so each window is hashed while it is still in the reading core's cache instead of being fetched
-    # from memory again (0: whole pieces)
-    hash_window_bytes: int = 1 * MiB
+    # From local files into a CUDA buffer, check the chunks on the GPU once they land (device checksums,
+    # runtime/weights/device_checksum.py) instead of hashing them on the host; False: always on the host
+    verify_on_device: bool = True
+    # Hashed on the host, from local files, a piece may be read and hashed in windows of this size, each while
+    # it is still in the core's cache (0: whole pieces). Each window costs two hand-overs of the GIL, and on
+    # the H100 machines measured that cost more than it saved: 15.7 against 24.6 GiB/s for whole pieces
+    # (docs/benchmarks.md, "Weight loading", eighth session)
+    hash_window_bytes: int = 0
 
     def reader_threads(self, n_chunks: int) -> int:
         auto = min(16, os.cpu_count() or 4)
@@ -113,18 +123,39 @@ class WeightStream:
         self._starts = [c.buffer_offset for c in self.chunks]
         self._landed = [threading.Event() for _ in self.chunks]
         self._copied: list[list] = [[] for _ in self.chunks]
+        self.device_check = self._device_check()
+        self.verified = "off" if not options.verify else "device" if self.device_check else "host"
         self._todo: queue.SimpleQueue = queue.SimpleQueue()
-        for i in range(len(self.chunks)):
-            self._todo.put(i)
+        self._pieces_left = self._queue_work()
         self._error: BaseException | None = None
         self._stats: dict[str, TierStats] = {}
         self._lock = threading.Lock()
         self._threads = [threading.Thread(target=self._reader, name=f"weights-reader-{i}", daemon=True)
-                         for i in range(options.reader_threads(len(self.chunks)))]
+                         for i in range(options.reader_threads(self._todo.qsize()))]
         self._finished = False
         self.started = time.time()
         for t in self._threads:
             t.start()
+
+    def _queue_work(self) -> list[int]:
+        """Queue the work in buffer order and return each chunk's number of pieces. A chunk hashed on the host
+        is one item (its pieces must pass through one hash in order); otherwise every piece is an item of its
+        own, so that the readers finish together (with 64 MiB chunks, a 3 GiB model's last round of chunks
+        kept a few readers busy for ~30 ms while the others idled)."""
+        step = self.options.read_bytes
+        pieces = [list(range(0, c.length, step)) for c in self.chunks]
+        for i, offsets in enumerate(pieces):
+            for item in [offsets] if self.verified == "host" else [[o] for o in offsets]:
+                self._todo.put((i, item))
+        return [len(offsets) for offsets in pieces]
+
+    def _device_check(self):
+        """A DeviceCheck where the chunks can be verified on the GPU: a sink that supports it, every file
+        local (an S3 download is verified before it goes to the disk cache), checksums in the manifest."""
+        if not (self.options.verify and self.options.verify_on_device and self.manifest.has_device_sums
+                and all(source.tier == "disk" for source in self.sources)):
+            return None
+        return self.sink.device_check(self.manifest)
 
     # -- the caller's side -------------------------------------------------------------------------
 
@@ -153,6 +184,8 @@ class WeightStream:
         for copies in self._copied:
             for event in copies:
                 event.synchronize()
+        if self.device_check is not None:
+            self._raise_if_corrupt([(f, j, "device checksum") for f, j in self.device_check.mismatches()])
         self._report()
         return self
 
@@ -167,41 +200,60 @@ class WeightStream:
             writer = self.sink.writer(slot_bytes, self.options.slots_per_thread)
             while self._error is None:
                 try:
-                    i = self._todo.get_nowait()
+                    i, offsets = self._todo.get_nowait()
                 except queue.Empty:
                     break
-                self._load_chunk(i, writer)
+                self._load_pieces(i, offsets, writer)
             writer.close()
         except BaseException as exc:  # noqa: BLE001 - handed to wait()
             with self._lock:
                 self._error = self._error or exc
 
-    def _load_chunk(self, i: int, writer: "Writer") -> None:
+    def _load_pieces(self, i: int, offsets: list[int], writer: "Writer") -> None:
+        """Pieces of chunk `i` at these offsets in it; all of them, in order, when it is hashed here."""
         chunk = self.chunks[i]
         source = self.sources[chunk.file]
-        digest = chunk_hasher(self.manifest.hash) if self.options.verify else None
+        digest = chunk_hasher(self.manifest.hash) if self.verified == "host" else None
         start = time.time()
-        for off in range(0, chunk.length, self.options.read_bytes):
+        copies = []
+        for off in offsets:
             n = min(self.options.read_bytes, chunk.length - off)
             dst = chunk.buffer_offset + off
             piece = writer.slot(dst, n)
-            window = min(self.options.hash_window_bytes or n, n) if source.small_reads else n
+            # one read per piece unless it is hashed here: each read hands the GIL back and forth
+            window = min(self.options.hash_window_bytes or n, n) if digest is not None and source.small_reads else n
             for w in range(0, n, window):
                 part = piece[w:w + window]
                 source.read_into(chunk.offset + off + w, part)
                 digest and digest.update(part)
             copied = writer.commit(dst, n)
             if copied is not None:
-                self._copied[i].append(copied)
+                copies.append(copied)
         if digest is not None and digest.hexdigest() != chunk.digest:
-            entry: FileEntry = self.manifest.files[chunk.file]
-            raise WeightsError(f"{self.where}: {entry.name} chunk {chunk.index} (bytes {chunk.offset}-"
-                               f"{chunk.offset + chunk.length}) fails its {self.manifest.hash} check: the layout is "
-                               "corrupt or was changed after it was built")
-        source.chunk_verified(chunk.index)
+            self._raise_if_corrupt([(chunk.file, chunk.index, self.manifest.hash)])
         with self._lock:
-            self._stats.setdefault(source.tier, TierStats()).add(chunk.length, start, time.time())
+            self._copied[i] += copies
+            self._pieces_left[i] -= len(offsets)
+            landed = self._pieces_left[i] == 0
+            self._stats.setdefault(source.tier, TierStats()).add(
+                sum(min(self.options.read_bytes, chunk.length - o) for o in offsets), start, time.time())
+        if not landed:
+            return
+        source.chunk_verified(chunk.index)
         self._landed[i].set()
+        if self.device_check is not None:  # usable now; checked with the rest of its file, before wait() returns
+            self.device_check.chunk_landed(chunk.file, self._copied[i])
+
+    def _raise_if_corrupt(self, bad: list[tuple[int, int, str]]) -> None:
+        """(file, chunk, check) of each chunk that failed its check."""
+        if not bad:
+            return
+        file, index, check = bad[0]
+        entry: FileEntry = self.manifest.files[file]
+        offset, length = entry.chunks()[index]
+        more = f" (and {len(bad) - 1} more chunks)" if len(bad) > 1 else ""
+        raise WeightsError(f"{self.where}: {entry.name} chunk {index} (bytes {offset}-{offset + length}) fails its "
+                           f"{check} check{more}: the layout is corrupt or was changed after it was built")
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
@@ -213,12 +265,13 @@ class WeightStream:
         tiers = self.tier_stats()
         seconds = time.time() - self.started
         total = self.manifest.total_bytes
-        log.info("weights: %.2f GiB in %.3fs (%.2f GiB/s) %s", total / 2**30, seconds,
-                 total / max(seconds, 1e-9) / 2**30,
+        log.info("weights: %.2f GiB in %.3fs (%.2f GiB/s, verified: %s) %s", total / 2**30, seconds,
+                 total / max(seconds, 1e-9) / 2**30, self.verified,
                  " ".join(f"{k}={v['gib_s']}GiB/s" for k, v in tiers.items()))
         stage = self.timeline.get(stages.WEIGHTS) if self.timeline else None
         if stage is not None:
             stage.detail["tiers"] = tiers
+            stage.detail["verified"] = self.verified
 
 
 def stream_layout(manifest: Manifest, sources: list, plan: WeightPlan, buffer: "torch.Tensor",

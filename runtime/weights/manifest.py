@@ -50,6 +50,9 @@ class FileEntry:
     size: int
     chunk_bytes: int
     digests: tuple[str, ...]  # hex, one per chunk (the last one may be short), in the manifest's `hash`
+    # the same chunks' device checksums (runtime/weights/device_checksum.py); empty in layouts built before
+    # them, or where a chunk does not start on a 4-byte boundary of the weight buffer
+    device_sums: tuple[str, ...] = ()
 
     def chunks(self) -> list[tuple[int, int]]:
         """(offset, length) of each hashed chunk of the file."""
@@ -72,6 +75,10 @@ class Manifest:
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files)
 
+    @property
+    def has_device_sums(self) -> bool:
+        return all(len(f.device_sums) == len(f.digests) for f in self.files)
+
     def to_json(self) -> bytes:
         return orjson.dumps(asdict(self), option=orjson.OPT_INDENT_2)
 
@@ -87,7 +94,8 @@ class Manifest:
             return cls(d["format_version"], d["dtype"], d["alignment"], d["hash"], d["content_hash"],
                        WeightPlan.from_dict(d["plan"]),
                        tuple(FileEntry(f["name"], f["buffer_offset"], f["size"], f["chunk_bytes"],
-                                       tuple(f["digests"])) for f in d["files"]),
+                                       tuple(f["digests"]), tuple(f.get("device_sums", ())))
+                             for f in d["files"]),
                        tuple(TensorEntry(t["name"], t["dtype"], tuple(t["shape"]), t["file"], t["offset"],
                                          t["length"]) for t in d["tensors"]),
                        tuple(d["model_files"]))

@@ -25,14 +25,20 @@ from snapshots.cudagraph.describe import kernel_function
 
 def resolve_kernels(runner: ModelRunner, batch_sizes: list[int], names: set[str]) -> dict[str, int]:
     found: dict[str, set[int]] = {}
+    stream = torch.cuda.Stream(runner.device)  # a capture needs a stream other than the legacy default
     with torch.inference_mode():
         graphs: list[torch.cuda.CUDAGraph] = []  # alive until all are read: they share one pool
         for bs in batch_sizes:
             runner.run_first_layers(bs)  # loads this shape's modules outside the capture
             graph = torch.cuda.CUDAGraph(keep_graph=True)
-            with torch.cuda.graph(graph, pool=graphs[0].pool() if graphs else None,
-                                  capture_error_mode="thread_local"):  # the weights are still streaming
-                runner.run_first_layers(bs)
+            # capture_begin/end rather than torch.cuda.graph, whose entry synchronises the device (waiting for
+            # the weights still streaming in) and empties the allocator caches: this graph is never replayed
+            with torch.cuda.stream(stream):
+                graph.capture_begin(pool=graphs[0].pool() if graphs else None, capture_error_mode="thread_local")
+                try:
+                    runner.run_first_layers(bs)
+                finally:
+                    graph.capture_end()
             graphs.append(graph)
             for node in cu.graph_nodes(graph.raw_cuda_graph()):
                 if cu.node_type(node) == cu.NODE_KERNEL:

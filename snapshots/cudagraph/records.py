@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import orjson
@@ -127,6 +128,8 @@ class GraphSet:
     kernel_names: list[str]
     relocations: RelocationTable = field(default_factory=RelocationTable)
     version: int = FORMAT_VERSION
+    # graphs read but not yet parsed into records (`load(parse=...)`): batch size -> nodes as JSON
+    unparsed: dict[int, list[dict]] = field(default_factory=dict)
 
     def node_relocations(self, node: KernelNode) -> list[Relocation]:
         return self.relocations.within(node.params_offset, node.params_size)
@@ -141,18 +144,32 @@ class GraphSet:
         (directory / "graphs.json").write_bytes(orjson.dumps(structure, option=orjson.OPT_NON_STR_KEYS))
 
     @classmethod
-    def load(cls, directory: Path) -> tuple["GraphSet", bytes]:
+    def load(cls, directory: Path, parse: Callable[[int], bool] | None = None) -> tuple["GraphSet", bytes]:
+        """The set and params.bin. Only graphs whose batch size `parse` accepts (default: all) become records
+        now; the others stay in `unparsed` until `parse_graph` (a set of 35 has some 12,000 nodes, and
+        turning them all into records took a tenth of a second of a boot that needs four graphs)."""
         raw = orjson.loads((directory / "graphs.json").read_bytes())
         if raw.get("version") != FORMAT_VERSION:
             raise ValueError(f"graph snapshot format {raw.get('version')} is not {FORMAT_VERSION}")
-        graphs = [GraphRecord(g["batch_size"], [_node(n) for n in g["nodes"]]) for g in raw["graphs"]]
+        graphs, unparsed = [], {}
+        for g in raw["graphs"]:
+            if parse is None or parse(g["batch_size"]):
+                graphs.append(GraphRecord(g["batch_size"], [_node(n) for n in g["nodes"]]))
+            else:
+                unparsed[g["batch_size"]] = g["nodes"]
         segments = [SegmentRecord(**s) for s in raw["segments"]]
         allocations = [tuple(a) for a in raw["allocations"]]
         rows = np.load(directory / "relocations.npy", allow_pickle=False)
         if rows.dtype != _ROW:
             raise ValueError(f"relocations.npy holds {rows.dtype}, not {_ROW}")
-        graph_set = cls(allocations, segments, graphs, raw["kernel_names"], RelocationTable(rows))
+        graph_set = cls(allocations, segments, graphs, raw["kernel_names"], RelocationTable(rows), unparsed=unparsed)
         return graph_set, (directory / "params.bin").read_bytes()
+
+    def parse_graph(self, batch_size: int) -> GraphRecord:
+        """Turn a graph `load` left unparsed into a record (and add it to `graphs`)."""
+        record = GraphRecord(batch_size, [_node(n) for n in self.unparsed.pop(batch_size)])
+        self.graphs.append(record)
+        return record
 
 
 def _node(raw: dict) -> Node:

@@ -4,21 +4,36 @@ from __future__ import annotations
 
 import importlib
 
-KERNEL_MODULES = ("activation", "gemv", "norm", "paged_attention", "rotary")
+#: every module with Triton kernels the engine launches, the weight loader's device checksum included
+KERNEL_MODULES = tuple(f"runtime.engine.kernels.{name}" for name in ("activation", "gemv", "norm",
+                                                                       "paged_attention", "rotary")) + (
+    "runtime.weights.checksum_kernel",)
 
 
 def prepare_kernels() -> None:
-    """The CPU half of the kernels' first launch, done ahead: import Triton and the kernel modules, and
-    compute Triton's key of its own sources (it hashes every compiler file and libtriton, ~0.4 s, on the
-    first compile of a process). Measured on the H100 it was 0.7 s of the 1.5 s a materialised graph restore
-    spent resolving kernels; in the engine's CPU phase it lands in the process snapshot instead."""
-    for name in KERNEL_MODULES:
-        importlib.import_module(f"runtime.engine.kernels.{name}")
+    """The CPU half of the kernels' first launch, done ahead, so that in the engine's CPU phase it lands in
+    the process snapshot: import Triton and the kernel modules, Triton's key of its own sources (it hashes
+    every compiler file and libtriton, ~0.4 s, on the first compile of a process), its code generator, each
+    kernel's cache key (a walk over the kernel's syntax tree and everything it calls, on its first launch)
+    and where libcuda lives (an `ldconfig -p`). Measured on the H100 the first two were 0.7 s of the 1.5 s a
+    materialised graph restore spent resolving kernels, and the keys most of what was left (eighth
+    session's profile, docs/benchmarks.md)."""
+    modules = [importlib.import_module(name) for name in KERNEL_MODULES]
     try:
+        from triton.backends.nvidia.driver import libcuda_dirs
         from triton.runtime.cache import triton_key
-    except ImportError:  # another Triton version: its first compile pays it
+        from triton.runtime.jit import JITFunction
+    except ImportError:  # another Triton version: its first compile pays for these
         return
     triton_key()
     # Triton's first launch in a process also imports its code generator, and with it Gluon's language
     # modules: 0.4 s of the H100 machine's materialised kernel resolution (cProfile, Qwen2-1.5B)
     importlib.import_module("triton.compiler.code_generator")
+    for module in modules:
+        for value in vars(module).values():
+            if isinstance(value, JITFunction):
+                value.cache_key  # noqa: B018 - computed once and kept on the function
+    try:
+        libcuda_dirs()
+    except (AssertionError, OSError):  # no driver on this machine (a CPU image): the GPU start looks it up
+        pass
