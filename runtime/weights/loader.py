@@ -50,9 +50,9 @@ MiB = 1 << 20
 @dataclass(frozen=True)
 class LoaderOptions:
     threads: int = 0  # 0: one per core, at most 16
-    # one preadv / ranged GET; one pinned slot. Each piece costs a few hand-overs of the GIL, and each MiB of
-    # pinned slots ~0.6 ms to pin in a fresh process; 8 and 16 MiB load alike once warm (H100 machine)
-    read_bytes: int = 8 * MiB
+    # one preadv / ranged GET; one pinned slot. Each piece costs a few hand-overs of the GIL: with 8 MiB
+    # pieces the H100 machine loaded 8B at 22.5 GiB/s, with 16 MiB at 32.4 (docs/benchmarks.md)
+    read_bytes: int = 16 * MiB
     slots_per_thread: int = 2  # read the next piece while the last one is copied
     verify: bool = True  # hash every chunk; off only to measure what it costs (scripts/bench_weights.py)
     # From local files into a CUDA buffer, check the chunks on the GPU once they land (device checksums,
