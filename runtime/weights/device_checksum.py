@@ -92,11 +92,13 @@ def device_chunk_sums(buffer: "torch.Tensor", spans: list[tuple[int, int]]) -> "
     with `add_partials` once the stream has run."""
     import torch
 
-    starts = torch.tensor([s for s, _ in spans], dtype=torch.int64)
-    lengths = torch.tensor([n for _, n in spans], dtype=torch.int64)
-    out = torch.empty((len(spans), PARTS), dtype=torch.int64, device=buffer.device)
+    table = torch.tensor([s for s, _ in spans] + [n for _, n in spans], dtype=torch.int64)
     if buffer.device.type == "cuda":
-        starts, lengths = starts.to(buffer.device, non_blocking=True), lengths.to(buffer.device, non_blocking=True)
+        # from pinned memory, so the copy is queued: one from pageable memory would wait for the stream,
+        # which waits for the file's weight copies, and stall the reader thread that launched it
+        table = table.pin_memory().to(buffer.device, non_blocking=True)
+    starts, lengths = table[:len(spans)], table[len(spans):]
+    out = torch.empty((len(spans), PARTS), dtype=torch.int64, device=buffer.device)
     from runtime.weights.checksum_kernel import chunk_sums  # Triton: imported only where weights land on a GPU
 
     chunk_sums[(len(spans), PARTS)](buffer, starts, lengths, out, PARTS=PARTS, BLOCK=BLOCK)
