@@ -1,16 +1,16 @@
 """The pipelined loader of a faas-build layout: an engine `LoadWeights` that returns at once.
 
-Reader threads take the layout's hashed chunks in buffer order. Each reads its chunk in `read_bytes` pieces
-(preadv from disk, or ranged GETs from S3) into its own ring of pinned host buffers and enqueues the copy to
-the GPU on its own side stream; a slot is reused only once its copy's event has completed. On CPU the pieces
-are read straight into the weight buffer (no pinned memory, no stream, no copy).
+Reader threads take the work in buffer order: `read_bytes` pieces (preadv from disk, or ranged GETs from
+S3), each read into the reader's own ring of pinned host buffers and copied to the GPU on its own side
+stream; a slot is reused only once its copy's event has completed. On CPU the pieces are read straight into
+the weight buffer (no pinned memory, no stream, no copy).
 
 Every chunk is verified before `wait()` returns. From local files into a CUDA buffer the GPU does it: once a
 file's chunks have landed, a kernel computes their device checksums (runtime/weights/device_checksum.py), so
 the host reads each byte once. Otherwise (S3, the CPU, the torch-free restore helper, layouts without device
-checksums) the readers hash each piece as it lands, from disk a 1 MiB window at a time while it is in cache
-(xxhash, blake3 and hashlib release the GIL on large buffers, so hashing scales with the readers). A chunk
-that fails its check fails the load with an error naming the file: the model is never used half-wrong.
+checksums) the readers hash each piece as it lands (xxhash, blake3 and hashlib release the GIL on large
+buffers, so hashing scales with the readers). A chunk that fails its check fails the load with an error
+naming the file: the model is never used half-wrong.
 
 `wait_tensor(name)` returns as soon as that tensor's chunks are in place, so a caller may use the first
 layers while the last ones stream; `wait()` is the end of the whole load.
