@@ -215,9 +215,10 @@ class WeightStream:
         source = self.sources[chunk.file]
         digest = chunk_hasher(self.manifest.hash) if self.verified == "host" else None
         start = time.time()
-        copies = []
+        copies, nbytes = [], 0
         for off in offsets:
             n = min(self.options.read_bytes, chunk.length - off)
+            nbytes += n
             dst = chunk.buffer_offset + off
             piece = writer.slot(dst, n)
             # one read per piece unless it is hashed here: each read hands the GIL back and forth
@@ -235,8 +236,7 @@ class WeightStream:
             self._copied[i] += copies
             self._pieces_left[i] -= len(offsets)
             landed = self._pieces_left[i] == 0
-            self._stats.setdefault(source.tier, TierStats()).add(
-                sum(min(self.options.read_bytes, chunk.length - o) for o in offsets), start, time.time())
+            self._stats.setdefault(source.tier, TierStats()).add(nbytes, start, time.time())
         if not landed:
             return
         source.chunk_verified(chunk.index)

@@ -11,6 +11,7 @@ torch (seconds) first (snapshots/weights_during_restore.py).
 from __future__ import annotations
 
 import ctypes
+import os
 from typing import TYPE_CHECKING, Protocol
 
 from runtime.cuda_driver import call
@@ -71,8 +72,6 @@ PINNED_BY_REGISTERING = "pinned_use_cuda_host_register:True,pinned_num_register_
 
 def pin_by_registering() -> None:
     """Switch torch's pinned allocations to PINNED_BY_REGISTERING, unless PYTORCH_CUDA_ALLOC_CONF says how."""
-    import os
-
     import torch
 
     if "pinned_" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get("PYTORCH_ALLOC_CONF", ""):

@@ -56,8 +56,7 @@ class MaterializedGraphs:
         self.segments: list[torch.Tensor] = []  # scratch memory the restored graphs point into; kept alive
         self.timings: dict[str, float] = {}
         self.pending_timings: dict[str, float] = {}
-        self._graph_set: GraphSet | None = None
-        self._later: list[int] = []
+        self._graph_set: GraphSet | None = None  # its unparsed graphs are the ones pending
         self._handles: dict[str, int] = {}
         self._bases: dict[tuple[str, int], int] = {}
         self._blob: np.ndarray | None = None
@@ -65,7 +64,7 @@ class MaterializedGraphs:
     @property
     def pending(self) -> list[int]:
         """The batch sizes left for `restore_pending`."""
-        return list(self._later)
+        return sorted(self._graph_set.unparsed) if self._graph_set is not None else []
 
     def restore(self, runner: ModelRunner) -> dict[int, str]:
         t0 = time.perf_counter()
@@ -87,8 +86,9 @@ class MaterializedGraphs:
             bases[(SEGMENT, segment.ordinal)] = memory.data_ptr()
         patching = time.perf_counter()
         self._bases, self._blob = bases, patch_parameters(params, graph_set.relocations, bases)
+        for bs in [bs for bs in graph_set.unparsed if bs not in wanted]:  # graphs this engine never uses
+            del graph_set.unparsed[bs]
         self._graph_set = graph_set
-        self._later = sorted(bs for bs in graph_set.unparsed if bs in wanted)
         t1 = time.perf_counter()
         fallbacks, self.timings = self._build(runner, list(graph_set.graphs))
         self.timings = {"load_and_patch_s": round(t1 - t0, 4), "read_s": round(loaded - t0, 4),
@@ -99,8 +99,7 @@ class MaterializedGraphs:
     def restore_pending(self, runner: ModelRunner) -> dict[int, str]:
         """Build the graphs `restore` left pending, each usable as soon as it is built. Safe while the engine
         serves: the kernel triggering runs on inputs of its own (ModelRunner.run_first_layers)."""
-        records = [self._graph_set.parse_graph(bs) for bs in self._later]
-        self._later = []
+        records = [self._graph_set.parse_graph(bs) for bs in self.pending]
         fallbacks, self.pending_timings = self._build(runner, records)
         self._blob, self._graph_set = None, None
         return fallbacks

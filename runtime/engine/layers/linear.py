@@ -27,7 +27,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            out: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias), into `out` if given. A single token on cuda goes through the GEMV kernel, which
     reads the weights closer to HBM bandwidth than cuBLAS does at batch 1 (runtime/engine/kernels/gemv.py)."""
-    if use_kernels(x) and x.dim() == 2 and x.shape[0] == 1:
+    if use_kernels(x):
         from runtime.engine.kernels.gemv import fits, gemv
 
         if fits(x, weight, bias, out):
