@@ -148,3 +148,29 @@ def test_projections_the_one_token_kernel_does_not_take_still_match_linear(monke
     assert not gemv.fits(odd[0], odd[1], None, None)                  # 20 rows: not a multiple of 16
     for x, weight in ((two_tokens, w), (unaligned, w), odd):
         assert torch.allclose(linear(x, weight), F.linear(x, weight))
+
+
+def test_embedding_kernel_copies_each_tokens_row():
+    from runtime.engine.kernels.embedding import embedding
+
+    g = torch.Generator().manual_seed(4)
+    table = torch.randn(50, 1100, generator=g)  # 1100: a chunk of the row past the last full block
+    ids = torch.tensor([7, 0, 49, 7, 23])
+    got = embedding(ids.to(DEVICE), table.to(DEVICE)).cpu()
+    assert torch.equal(got, F.embedding(ids, table))
+
+
+def test_kv_store_kernel_writes_each_token_into_its_slot():
+    from runtime.engine.kernels.kv_store import store_kv
+    from runtime.engine.layers.attention import store_kv as reference
+
+    g = torch.Generator().manual_seed(5)
+    qkv = torch.randn(4, 8 * 16, generator=g).bfloat16()  # k, v: views of the fused projection, like the model's
+    k, v = qkv[:, 64:96].view(4, 2, 16), qkv[:, 96:].view(4, 2, 16)
+    caches = [torch.zeros(6, 4, 2, 16, dtype=torch.bfloat16) for _ in range(4)]
+    slots = torch.tensor([5, 0, 23, 9])
+    reference(k, v, caches[0], caches[1], slots)
+    on = [c.to(DEVICE) for c in caches[2:]]
+    store_kv(k.to(DEVICE), v.to(DEVICE), on[0], on[1], slots.to(DEVICE))
+    assert torch.equal(on[0].cpu(), caches[0]) and torch.equal(on[1].cpu(), caches[1])
+    assert caches[0].abs().sum() > 0 and caches[0][3:5].abs().sum() == 0  # blocks 3, 4: no slot there

@@ -47,6 +47,7 @@ class MemsetNodeParams(ctypes.Structure):
 AttributeValue = ctypes.c_ubyte * ATTRIBUTE_VALUE_BYTES
 
 _lib: ctypes.CDLL | None = None
+_held: ctypes.PyDLL | None = None
 
 
 def lib() -> ctypes.CDLL:
@@ -54,6 +55,16 @@ def lib() -> ctypes.CDLL:
     if _lib is None:
         _lib = ctypes.CDLL("libcuda.so.1")
     return _lib
+
+
+def lib_holding_gil() -> ctypes.PyDLL:
+    """libcuda with the GIL kept across each call, for the calls a graph restore makes thousands of times at a
+    few microseconds each. ctypes releases the GIL around every foreign call, and beside the weight stream one
+    of its reader threads takes it each time, so the restore waited at every node to get it back."""
+    global _held
+    if _held is None:
+        _held = ctypes.PyDLL("libcuda.so.1")
+    return _held
 
 
 def check(result: int, what: str) -> None:
@@ -109,7 +120,7 @@ def add_dependencies(graph: int, edges: list[tuple[int, int, tuple[int, int, int
     data = (EdgeData * n)()
     for i, (_, _, (from_port, to_port, kind)) in enumerate(edges):
         data[i].from_port, data[i].to_port, data[i].type = from_port, to_port, kind
-    check(lib().cuGraphAddDependencies_v2(c_void_p(graph), sources, targets, data, c_size_t(n)),
+    check(lib_holding_gil().cuGraphAddDependencies_v2(c_void_p(graph), sources, targets, data, c_size_t(n)),
           "cuGraphAddDependencies")
 
 
@@ -173,7 +184,7 @@ def kernel_node_attribute(node: int, attribute: int) -> bytes | None:
 
 def set_kernel_node_attribute(node: int, attribute: int, raw: bytes) -> None:
     value = AttributeValue.from_buffer_copy(raw)
-    check(lib().cuGraphKernelNodeSetAttribute(c_void_p(node), c_int(attribute), byref(value)),
+    check(lib_holding_gil().cuGraphKernelNodeSetAttribute(c_void_p(node), c_int(attribute), byref(value)),
           f"cuGraphKernelNodeSetAttribute({KERNEL_NODE_ATTRIBUTES.get(attribute, attribute)})")
 
 
@@ -194,7 +205,7 @@ def device_range(address: int) -> tuple[int, int] | None:
 
 def create_graph() -> int:
     graph = c_void_p()
-    check(lib().cuGraphCreate(byref(graph), c_uint(0)), "cuGraphCreate")
+    check(lib_holding_gil().cuGraphCreate(byref(graph), c_uint(0)), "cuGraphCreate")
     return graph.value
 
 
@@ -202,22 +213,23 @@ def create_graph() -> int:
 
 def add_kernel_node(graph: int, params: KernelNodeParams) -> int:
     node = c_void_p()
-    check(lib().cuGraphAddKernelNode_v2(byref(node), c_void_p(graph), None, c_size_t(0), byref(params)),
-          "cuGraphAddKernelNode")
+    check(lib_holding_gil().cuGraphAddKernelNode_v2(byref(node), c_void_p(graph), None, c_size_t(0),
+                                                    byref(params)), "cuGraphAddKernelNode")
     return node.value
 
 
 def add_memset_node(graph: int, params: MemsetNodeParams) -> int:
     node, ctx = c_void_p(), c_void_p()
-    check(lib().cuCtxGetCurrent(byref(ctx)), "cuCtxGetCurrent")
-    check(lib().cuGraphAddMemsetNode(byref(node), c_void_p(graph), None, c_size_t(0), byref(params), ctx),
-          "cuGraphAddMemsetNode")
+    check(lib_holding_gil().cuCtxGetCurrent(byref(ctx)), "cuCtxGetCurrent")
+    check(lib_holding_gil().cuGraphAddMemsetNode(byref(node), c_void_p(graph), None, c_size_t(0), byref(params),
+                                                 ctx), "cuGraphAddMemsetNode")
     return node.value
 
 
 def add_empty_node(graph: int) -> int:
     node = c_void_p()
-    check(lib().cuGraphAddEmptyNode(byref(node), c_void_p(graph), None, c_size_t(0)), "cuGraphAddEmptyNode")
+    check(lib_holding_gil().cuGraphAddEmptyNode(byref(node), c_void_p(graph), None, c_size_t(0)),
+          "cuGraphAddEmptyNode")
     return node.value
 
 

@@ -16,6 +16,10 @@ the missing ones (measured; docs/benchmarks.md), and loading from several thread
 
 from __future__ import annotations
 
+import threading
+import time
+from typing import Callable
+
 import torch
 
 from runtime.engine.model_runner import ModelRunner
@@ -23,7 +27,10 @@ from snapshots.cudagraph import driver as cu
 from snapshots.cudagraph.describe import kernel_function
 
 
-def resolve_kernels(runner: ModelRunner, batch_sizes: list[int], names: set[str]) -> dict[str, int]:
+def load_kernels(runner: ModelRunner, batch_sizes: list[int],
+                 enough: Callable[[set[str]], bool] | None = None) -> dict[str, set[int]]:
+    """Run the first layers at each batch size, capture them, and return each kernel name's function handles.
+    Stops early once `enough(names found so far)` says so."""
     found: dict[str, set[int]] = {}
     stream = torch.cuda.Stream(runner.device)  # a capture needs a stream other than the legacy default
     with torch.inference_mode():
@@ -44,9 +51,15 @@ def resolve_kernels(runner: ModelRunner, batch_sizes: list[int], names: set[str]
                 if cu.node_type(node) == cu.NODE_KERNEL:
                     func = kernel_function(cu.kernel_node_params(node))
                     found.setdefault(cu.function_name(func), set()).add(func)
-            if names <= found.keys():  # every kernel the graphs need is loaded: the other shapes add nothing
+            if enough is not None and enough(found.keys()):  # the other shapes add nothing the graphs need
                 break
         del graphs
+    return found
+
+
+def kernel_handles(found: dict[str, set[int]], names: set[str]) -> dict[str, int]:
+    """A handle per name `load_kernels` found (a name seen with two different functions is left out), and for
+    the names in `names` it did not find, one from the functions of the modules already loaded."""
     handles = {name: next(iter(funcs)) for name, funcs in found.items() if len(funcs) == 1}
     missing = names - found.keys()
     if missing:
@@ -56,3 +69,47 @@ def resolve_kernels(runner: ModelRunner, batch_sizes: list[int], names: set[str]
                 if name in missing:
                     handles[name] = func
     return handles
+
+
+class KernelLoad:
+    """`load_kernels` on a thread of its own, started before the graphs' description is read, so that the module
+    loads it waits on (cuBLAS's first call alone is ~0.1 s in a fresh process on the H100) overlap reading and
+    patching the description. It goes through `batch_sizes` in order until `need` has named the kernels and
+    they are all found: each size can load modules of its own that no graph needs. `result()` joins it;
+    `seconds` is how long it ran."""
+
+    def __init__(self, runner: ModelRunner, batch_sizes: list[int]) -> None:
+        self.seconds = 0.0
+        self._names: set[str] | None = None
+        self._found: dict[str, set[int]] = {}
+        self._error: BaseException | None = None
+        self._device = torch.cuda.current_device()  # the current device is per thread: the new one takes ours
+        self._thread = threading.Thread(target=self._run, args=(runner, batch_sizes), name="graph-kernels",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self, runner: ModelRunner, batch_sizes: list[int]) -> None:
+        start = time.perf_counter()
+        try:
+            torch.cuda.set_device(self._device)
+            self._found = load_kernels(runner, batch_sizes, self._covers)
+        except BaseException as exc:  # raised again in the thread that asks for the result
+            self._error = exc
+        self.seconds = time.perf_counter() - start
+
+    def need(self, names: set[str]) -> None:
+        """The kernels the graphs use, once their description is read."""
+        self._names = names
+
+    def _covers(self, found: set[str]) -> bool:
+        names = self._names
+        return names is not None and names <= found
+
+    def join(self) -> None:
+        self._thread.join()
+
+    def result(self) -> dict[str, set[int]]:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._found

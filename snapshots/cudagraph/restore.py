@@ -20,7 +20,7 @@ import torch
 from runtime.engine.model_runner import ModelRunner
 from runtime.logs import get_logger
 from snapshots.cudagraph import driver as cu
-from snapshots.cudagraph.kernels import resolve_kernels
+from snapshots.cudagraph.kernels import KernelLoad, kernel_handles, load_kernels
 from snapshots.cudagraph.records import (ALLOC, KINDS, SEGMENT, EmptyNode, GraphRecord, GraphSet, KernelNode,
                                          MemsetNode, Relocation, RelocationTable, decode_attribute)
 
@@ -67,9 +67,39 @@ class MaterializedGraphs:
         return sorted(self._graph_set.unparsed) if self._graph_set is not None else []
 
     def restore(self, runner: ModelRunner) -> dict[int, str]:
-        t0 = time.perf_counter()
         wanted = set(runner.graph_batch_sizes)
         limit = self.before_ready_up_to
+        # The kernels of the graphs built now are loaded while the description is read: with a limit, those
+        # graphs' sizes are known before it is (every size of the engine's up to the limit)
+        early = KernelLoad(runner, sorted(bs for bs in wanted if bs <= limit)) if limit is not None else None
+        try:
+            mismatched = self._load_and_patch(runner, wanted, limit)
+            if mismatched:
+                return mismatched
+            waited = time.perf_counter()
+            if early is not None:
+                names = kernel_names(self._graph_set.graphs)
+                early.need(names)
+                try:
+                    found = early.result()
+                except Exception as exc:  # _build loads what is still missing, on this thread
+                    log.warning("loading the graphs' kernels ahead failed (%s); loading them now", exc)
+                    found = {}
+                self._handles.update(kernel_handles(found, names))
+                self.timings["early_kernels_s"] = round(early.seconds, 4)
+            self.timings["kernels_wait_s"] = round(time.perf_counter() - waited, 4)
+            fallbacks, timings = self._build(runner, list(self._graph_set.graphs))
+        finally:
+            if early is not None:
+                early.join()  # never left capturing while the engine captures live
+        self.timings.update(timings)
+        return fallbacks
+
+    def _load_and_patch(self, runner: ModelRunner, wanted: set[int], limit: int | None) -> dict[int, str]:
+        """Read the description (parsing the graphs built before ready only), check the engine's allocations
+        against it, recreate the scratch segments and patch every relocated word. If the allocations differ,
+        the reason for every wanted graph (none is restored, none left pending); else nothing."""
+        t0 = time.perf_counter()
         graph_set, params = GraphSet.load(self.directory,
                                           parse=lambda bs: bs in wanted and (limit is None or bs <= limit))
         loaded = time.perf_counter()
@@ -90,11 +120,9 @@ class MaterializedGraphs:
             del graph_set.unparsed[bs]
         self._graph_set = graph_set
         t1 = time.perf_counter()
-        fallbacks, self.timings = self._build(runner, list(graph_set.graphs))
         self.timings = {"load_and_patch_s": round(t1 - t0, 4), "read_s": round(loaded - t0, 4),
-                        "segments_s": round(patching - loaded, 4), "patch_s": round(t1 - patching, 4),
-                        **self.timings}
-        return fallbacks
+                        "segments_s": round(patching - loaded, 4), "patch_s": round(t1 - patching, 4)}
+        return {}
 
     def restore_pending(self, runner: ModelRunner) -> dict[int, str]:
         """Build the graphs `restore` left pending, each usable as soon as it is built. Safe while the engine
@@ -106,9 +134,10 @@ class MaterializedGraphs:
 
     def _build(self, runner: ModelRunner, records: list[GraphRecord]) -> tuple[dict[int, str], dict[str, float]]:
         t0 = time.perf_counter()
-        needed = {n.name for g in records for n in g.nodes if isinstance(n, KernelNode)} - self._handles.keys()
+        needed = kernel_names(records) - self._handles.keys()
         if needed:
-            self._handles.update(resolve_kernels(runner, trigger_batch_sizes(records, needed), needed))
+            found = load_kernels(runner, trigger_batch_sizes(records, needed), lambda names: needed <= names)
+            self._handles.update(kernel_handles(found, needed))
         t1 = time.perf_counter()
         fallbacks = {}
         for record in records:
@@ -123,6 +152,10 @@ class MaterializedGraphs:
         # build_s on the H100, for 4 graphs), and nothing here needs the device to be idle
         return fallbacks, {"kernels_s": round(t1 - t0, 4), "build_s": round(time.perf_counter() - t1, 4),
                            "built": len(records) - len(fallbacks)}
+
+
+def kernel_names(graphs: list[GraphRecord]) -> set[str]:
+    return {n.name for g in graphs for n in g.nodes if isinstance(n, KernelNode)}
 
 
 def trigger_batch_sizes(graphs: list[GraphRecord], needed: set[str] | None = None) -> list[int]:

@@ -36,6 +36,10 @@ class AttentionMetadata:
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """k, v: [T, kv_heads, head_dim]; caches: [num_blocks, block_size, kv_heads, head_dim]."""
+    if use_kernels(k):
+        from runtime.engine.kernels.kv_store import store_kv as kernel
+
+        return kernel(k, v, k_cache, v_cache, slot_mapping)
     flat_k = k_cache.view(-1, *k_cache.shape[2:])
     flat_v = v_cache.view(-1, *v_cache.shape[2:])
     flat_k.index_copy_(0, slot_mapping, k.to(flat_k.dtype))

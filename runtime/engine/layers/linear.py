@@ -44,4 +44,8 @@ class Embedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_embeddings, dim), requires_grad=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if use_kernels(ids):
+            from runtime.engine.kernels.embedding import embedding
+
+            return embedding(ids, self.weight)
         return F.embedding(ids, self.weight)
