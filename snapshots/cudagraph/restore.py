@@ -2,7 +2,8 @@
 
 Order: check that the engine allocated the same buffers in the same order, recreate the scratch segments,
 write this process's addresses into every relocated parameter word (one vectorised pass over params.bin),
-resolve kernel names to handles, then add the nodes and instantiate each graph. None of it needs the
+resolve kernel names to handles (their modules loading meanwhile on a thread started first, KernelLoad),
+then add the nodes and instantiate each graph. None of it needs the
 weights' values, so it runs while they are still streaming in; the graphs of larger batch sizes can be left
 until the engine serves (MaterializedGraphs.before_ready_up_to).
 """
