@@ -70,11 +70,12 @@ class MaterializedGraphs:
     def restore(self, runner: ModelRunner) -> dict[int, str]:
         wanted = set(runner.graph_batch_sizes)
         limit = self.before_ready_up_to
+        now = {bs for bs in wanted if limit is None or bs <= limit}
         # The kernels of the graphs built now are loaded while the description is read: with a limit, those
         # graphs' sizes are known before it is (every size of the engine's up to the limit)
-        early = KernelLoad(runner, sorted(bs for bs in wanted if bs <= limit)) if limit is not None else None
+        early = KernelLoad(runner, sorted(now)) if limit is not None else None
         try:
-            mismatched = self._load_and_patch(runner, wanted, limit)
+            mismatched = self._load_and_patch(runner, wanted, now)
             if mismatched:
                 return mismatched
             waited = time.perf_counter()
@@ -96,13 +97,13 @@ class MaterializedGraphs:
         self.timings.update(timings)
         return fallbacks
 
-    def _load_and_patch(self, runner: ModelRunner, wanted: set[int], limit: int | None) -> dict[int, str]:
-        """Read the description (parsing the graphs built before ready only), check the engine's allocations
-        against it, recreate the scratch segments and patch every relocated word. If the allocations differ,
-        the reason for every wanted graph (none is restored, none left pending); else nothing."""
+    def _load_and_patch(self, runner: ModelRunner, wanted: set[int], now: set[int]) -> dict[int, str]:
+        """Read the description (parsing only the graphs of the sizes built `now`), check the engine's
+        allocations against it, recreate the scratch segments and patch every relocated word. If the
+        allocations differ, the reason for every wanted graph (none is restored, none left pending); else
+        nothing."""
         t0 = time.perf_counter()
-        graph_set, params = GraphSet.load(self.directory,
-                                          parse=lambda bs: bs in wanted and (limit is None or bs <= limit))
+        graph_set, params = GraphSet.load(self.directory, parse=now.__contains__)
         loaded = time.perf_counter()
         mismatch = allocation_mismatch(graph_set, runner)
         if mismatch:
