@@ -2,11 +2,11 @@
 
 For each model shape: bake the materialised state once, then start the engine in fresh processes, cold (load
 the weights, profiling forward, capture 35 graphs), materialised (recorded KV size, all 35 graphs rebuilt from
-their description while the weights stream) and deferred (materialised, but only the graphs up to batch 8
+their description before the weights stream in) and deferred (materialised, but only the graphs up to batch 8
 before ready, the default of a function; the other 31 are rebuilt right after, and `all_graphs_s` is engine
-start to the last of them), N times each, interleaved. The weights come from a faas-build layout
-(built once from the random model) through the pipelined loader. Prints the median of each stage and of the
-whole loading phase (engine start: CUDA init to ready), and writes JSON.
+start to the last of them), N times each, interleaved. The weights come from a faas-build layout (built once
+from the random model) through the pipelined loader. Prints the median of each stage and of the whole loading
+phase (engine start: CUDA init to ready), and writes JSON.
 
     python scripts/bench_materialize.py --shapes qwen2-1.5b llama-3-8b --repeat 3 --work /tmp/bench
 """
@@ -59,7 +59,7 @@ def run_child(mode: str, model_dir: Path, snapshot: Path) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def bench_shape(shape: str, work: Path, repeat: int) -> dict:
+def bench_shape(shape: str, work: Path, repeat: int, modes: list[str]) -> dict:
     from runtime.weights.layout import write_layout
     from scripts.model_shapes import make_random_model_dir
     from snapshots.materialized import bake_materialized
@@ -76,16 +76,16 @@ def bench_shape(shape: str, work: Path, repeat: int) -> dict:
     bake_s = time.perf_counter() - t
     if not report.validated:
         raise SystemExit(f"{shape}: materialisation failed validation: {report.problems}")
-    runs = {mode: [] for mode in MODES}
+    runs = {mode: [] for mode in modes}
     for _ in range(repeat):
-        for mode in MODES:
+        for mode in modes:
             runs[mode].append(run_child(mode, model_dir, snapshot_dir / "materialized"))
     medians = {mode: {k: statistics.median(r[k] for r in rs) for k in ("loading_s", "all_graphs_s") + STAGES}
                for mode, rs in runs.items()}
     live = medians["cold"]["kv_cache"] + medians["cold"]["cuda_graphs"]
     versus_live = {mode: {"kv_graphs_fraction": (medians[mode]["kv_cache"] + medians[mode]["cuda_graphs"]) / live,
                           "loading_reduction": 1 - medians[mode]["loading_s"] / medians["cold"]["loading_s"]}
-                   for mode in MODES[1:]}
+                   for mode in modes if mode != "cold"}
     return {"shape": shape, "bake_s": bake_s, "graphs": report.graphs, "runs": runs, "median": medians,
             "versus_live": versus_live}
 
@@ -94,6 +94,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=["qwen2-1.5b", "llama-3-8b"])
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
+                        help="cold (live profiling and capture) is always run: the others are compared with it")
     parser.add_argument("--work", type=Path, default=Path("/tmp/thawllm-bench"))
     parser.add_argument("--out", type=Path)
     parser.add_argument("--child", choices=MODES)
@@ -104,7 +106,8 @@ def main() -> None:
         print(json.dumps(child(args.child, args.model, args.snapshot)))
         return
     args.work.mkdir(parents=True, exist_ok=True)
-    results = [bench_shape(shape, args.work, args.repeat) for shape in args.shapes]
+    modes = ["cold"] + [m for m in args.modes if m != "cold"]
+    results = [bench_shape(shape, args.work, args.repeat, modes) for shape in args.shapes]
     print(f"\n{'shape':<12} {'mode':<13} {'loading s':>9} {'all graphs':>10} " + " ".join(f"{s:>11}" for s in STAGES))
     for r in results:
         for mode, m in r["median"].items():

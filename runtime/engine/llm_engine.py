@@ -57,6 +57,10 @@ class GraphRestorer(Protocol):
     timings: dict[str, float]  # seconds of each part of the restore, for the timeline
     pending: list[int]
     pending_timings: dict[str, float]
+    before_weights: bool  # restore before the weight copies start (else beside them)
+
+    def read_ahead(self) -> None:
+        """Start reading the description, on a thread: called before CUDA is initialised."""
 
     def restore(self, runner: ModelRunner) -> dict[int, str]: ...
 
@@ -135,10 +139,13 @@ class Engine:
     def start(self, kv_blocks: int | None = None, graph_restorer: GraphRestorer | None = None,
               capture_graphs: bool = True, releasable_memory: bool = False) -> None:
         """Device phase. With `kv_blocks` and `graph_restorer` (materialised state) the KV profile and the
-        graph capture are skipped and overlap the weight stream; without them, like vLLM: load, then profile,
-        then capture. `capture_graphs=False` leaves the graphs to the caller (faas-build materialises them).
+        graph capture are skipped: the KV cache, and the graphs when the restorer says so, are set up before the
+        weights stream in (else beside them); without them, like vLLM: load, then profile, then capture.
+        `capture_graphs=False` leaves the graphs to the caller (faas-build materialises them).
         `releasable_memory` puts the weights and the KV cache where `release_device_memory` can free them."""
         t = self.timeline
+        if graph_restorer is not None:
+            graph_restorer.read_ahead()  # while CUDA initialises, which leaves the GIL free most of the time
         with t.stage(stages.CUDA_INIT, device=self.config.device):
             device = torch.device(self.config.device)
             if device.type == "cuda":
@@ -146,23 +153,26 @@ class Engine:
                 torch.empty(1, device=device)
         runner = ModelRunner(self.model, self.model_config, self.config, self.max_model_len)
         self.runner = runner
-        weights_stage = t.stage(stages.WEIGHTS, bytes=self.plan.total_bytes)
-        weights_stage.__enter__()
         buffer = runner.allocate_weights(self.plan, releasable_memory)
+        graphs = bool(runner.graph_batch_sizes) and (capture_graphs or graph_restorer is not None)
         materialized = kv_blocks is not None
+        graphs_first = materialized and graphs and graph_restorer is not None and graph_restorer.before_weights
         if materialized:  # sized already: allocated before the weight readers pin their buffers and fill the
             # copy engines, which stretched this 0.02-0.03 s stage to 0.2-0.5 s when the two overlapped (H100)
             kv_blocks = self._allocate_kv(runner, kv_blocks, releasable_memory)
-        load = self._load_weights(self.plan, buffer)
-        if not materialized:
-            load.wait()
-            weights_stage.__exit__(None, None, None)
-            kv_blocks = self._allocate_kv(runner, kv_blocks, releasable_memory)
-        if runner.graph_batch_sizes and (capture_graphs or graph_restorer is not None):
+        if graphs_first:
             self._prepare_graphs(runner, graph_restorer)
-        if materialized:
-            load.wait()
-            weights_stage.__exit__(None, None, None)
+        weights_stage = t.stage(stages.WEIGHTS, bytes=self.plan.total_bytes)
+        weights_stage.__enter__()
+        load = self._load_weights(self.plan, buffer)
+        if materialized and graphs and not graphs_first:  # no weight values needed: beside the stream
+            self._prepare_graphs(runner, graph_restorer)
+        load.wait()
+        weights_stage.__exit__(None, None, None)
+        if not materialized:
+            kv_blocks = self._allocate_kv(runner, kv_blocks, releasable_memory)
+            if graphs:
+                self._prepare_graphs(runner, graph_restorer)
         self.blocks = BlockManager(kv_blocks, self.config.block_size, reserved=runner.reserved_blocks)
         self.scheduler = Scheduler(self.blocks, self.config.max_num_seqs,
                                    max(self.config.max_num_batched_tokens, self.max_model_len))

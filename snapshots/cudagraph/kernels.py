@@ -23,15 +23,18 @@ from typing import Callable
 import torch
 
 from runtime.engine.model_runner import ModelRunner
+from runtime.logs import get_logger
 from snapshots.cudagraph import driver as cu
 from snapshots.cudagraph.describe import kernel_function
 
+log = get_logger("snapshots.cudagraph")
 
-def load_kernels(runner: ModelRunner, batch_sizes: list[int],
-                 enough: Callable[[set[str]], bool] | None = None) -> dict[str, set[int]]:
-    """Run the first layers at each batch size, capture them, and return each kernel name's function handles.
-    Stops early once `enough(names found so far)` says so."""
-    found: dict[str, set[int]] = {}
+
+def load_kernels(runner: ModelRunner, batch_sizes: list[int], enough: Callable[[set[str]], bool] | None = None,
+                 found: dict[str, set[int]] | None = None) -> dict[str, set[int]]:
+    """Run the first layers at each batch size, capture them, and return each kernel name's function handles
+    (added to `found`, if given). Stops early once `enough(names found so far)` says so."""
+    found = {} if found is None else found
     stream = torch.cuda.Stream(runner.device)  # a capture needs a stream other than the legacy default
     with torch.inference_mode():
         graphs: list[torch.cuda.CUDAGraph] = []  # alive until all are read: they share one pool
@@ -71,11 +74,21 @@ def kernel_handles(found: dict[str, set[int]], names: set[str]) -> dict[str, int
     return handles
 
 
+def warm_cublas(device: torch.device, dtype: torch.dtype) -> None:
+    """cuBLAS's first call in a process sets the library up: 70-100 ms on the H100, whatever the shape, after
+    which a new shape's kernel costs 2-4 ms. Made on a thread of its own, it overlaps the first batch size's
+    (Triton's) modules loading."""
+    with torch.inference_mode():
+        x = torch.zeros(2, 256, device=device, dtype=dtype)
+        torch.nn.functional.linear(x, torch.zeros(256, 256, device=device, dtype=dtype))
+        torch.cuda.current_stream(device).synchronize()
+
+
 class KernelLoad:
-    """`load_kernels` on a thread of its own, started before the graphs' description is read, so that the module
-    loads it waits on (cuBLAS's first call alone is ~0.1 s in a fresh process on the H100) overlap reading and
-    patching the description. It goes through `batch_sizes` in order until `need` has named the kernels and
-    they are all found: each size can load modules of its own that no graph needs. `result()` joins it;
+    """`load_kernels` on a thread of its own, started before the graphs' description is needed, so that the
+    module loads it waits on overlap checking and patching the description; cuBLAS sets itself up meanwhile on
+    a second thread (`warm_cublas`). It goes through `batch_sizes` in order until `need` has named the kernels
+    and they are all found: each size can load modules of its own that no graph needs. `result()` joins it;
     `seconds` is how long it ran."""
 
     def __init__(self, runner: ModelRunner, batch_sizes: list[int]) -> None:
@@ -83,19 +96,29 @@ class KernelLoad:
         self._names: set[str] | None = None
         self._found: dict[str, set[int]] = {}
         self._error: BaseException | None = None
-        self._device = torch.cuda.current_device()  # the current device is per thread: the new one takes ours
-        self._thread = threading.Thread(target=self._run, args=(runner, batch_sizes), name="graph-kernels",
-                                        daemon=True)
-        self._thread.start()
+        self._device = torch.cuda.current_device()  # the current device is per thread: the new ones take ours
+        self._threads = [threading.Thread(target=self._run, args=(runner, batch_sizes), name="graph-kernels",
+                                          daemon=True),
+                         threading.Thread(target=self._warm_cublas, args=(runner.dtype,), name="cublas-warm-up",
+                                          daemon=True)]
+        for thread in self._threads:
+            thread.start()
 
     def _run(self, runner: ModelRunner, batch_sizes: list[int]) -> None:
         start = time.perf_counter()
         try:
             torch.cuda.set_device(self._device)
-            self._found = load_kernels(runner, batch_sizes, self._covers)
+            load_kernels(runner, batch_sizes, self._covers, found=self._found)
         except BaseException as exc:  # raised again in the thread that asks for the result
             self._error = exc
         self.seconds = time.perf_counter() - start
+
+    def _warm_cublas(self, dtype: torch.dtype) -> None:
+        try:
+            torch.cuda.set_device(self._device)
+            warm_cublas(torch.device("cuda", self._device), dtype)
+        except Exception as exc:  # only time is lost: the first size that uses cuBLAS sets it up itself
+            log.warning("warming cuBLAS up failed: %s", exc)
 
     def need(self, names: set[str]) -> None:
         """The kernels the graphs use, once their description is read."""
@@ -106,10 +129,11 @@ class KernelLoad:
         return names is not None and names <= found
 
     def join(self) -> None:
-        self._thread.join()
+        for thread in self._threads:
+            thread.join()
 
     def result(self) -> dict[str, set[int]]:
-        self._thread.join()
+        self.join()
         if self._error is not None:
             raise self._error
         return self._found

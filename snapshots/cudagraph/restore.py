@@ -1,16 +1,18 @@
 """Rebuild the decode CUDA graphs in a fresh process from their materialised description (Medusa 5).
 
-Order: check that the engine allocated the same buffers in the same order, recreate the scratch segments,
-write this process's addresses into every relocated parameter word (one vectorised pass over params.bin),
-resolve kernel names to handles (their modules loading meanwhile on a thread started first, KernelLoad),
-then add the nodes and instantiate each graph. None of it needs the
-weights' values, so it runs while they are still streaming in; the graphs of larger batch sizes can be left
-until the engine serves (MaterializedGraphs.before_ready_up_to).
+Order: the description is read on a thread while CUDA initialises (`read_ahead`); then check that the engine
+allocated the same buffers in the same order, recreate the scratch segments, write this process's addresses
+into every relocated parameter word (one vectorised pass over params.bin), resolve kernel names to handles
+(their modules loading meanwhile on a thread of their own, KernelLoad), then add the nodes and instantiate
+each graph. None of it needs the weights' values, so the engine does it before they stream in, or beside
+them (`before_weights`); the graphs of larger batch sizes can be left until the engine serves
+(MaterializedGraphs.before_ready_up_to).
 """
 
 from __future__ import annotations
 
 import ctypes
+import threading
 import time
 from ctypes import POINTER, c_size_t, c_void_p
 from pathlib import Path
@@ -51,9 +53,16 @@ class MaterializedGraphs:
     `restore_pending` once the engine serves (their kernels are mostly cuBLAS's, loaded one module at a time,
     0.7-1 s for all 35 sizes on the H100). None builds every graph before ready."""
 
+    #: A restore that builds no graph above this batch size runs before the weight copies start. Its kernels
+    #: are mostly Triton's, and a module load copies its code to the GPU, behind the copies: beside them each
+    #: took 10-40 ms instead of 2 (H100). A larger one runs beside them: its kernels are mostly cuBLAS's,
+    #: whose loads are CPU-bound, and its 0.7-1.3 s overlap the stream (docs/benchmarks.md, tenth session).
+    BEFORE_WEIGHTS_UP_TO = 8
+
     def __init__(self, directory: str | Path, before_ready_up_to: int | None = None) -> None:
         self.directory = Path(directory)
         self.before_ready_up_to = before_ready_up_to
+        self.before_weights = before_ready_up_to is not None and before_ready_up_to <= self.BEFORE_WEIGHTS_UP_TO
         self.segments: list[torch.Tensor] = []  # scratch memory the restored graphs point into; kept alive
         self.timings: dict[str, float] = {}
         self.pending_timings: dict[str, float] = {}
@@ -61,18 +70,24 @@ class MaterializedGraphs:
         self._handles: dict[str, int] = {}
         self._bases: dict[tuple[str, int], int] = {}
         self._blob: np.ndarray | None = None
+        self._reading: _Reading | None = None
 
     @property
     def pending(self) -> list[int]:
         """The batch sizes left for `restore_pending`."""
         return sorted(self._graph_set.unparsed) if self._graph_set is not None else []
 
+    def read_ahead(self) -> None:
+        """Read the description on a thread, parsing the graphs of the sizes up to the limit."""
+        if self._reading is None:
+            self._reading = _Reading(self.directory, self.before_ready_up_to)
+
     def restore(self, runner: ModelRunner) -> dict[int, str]:
         wanted = set(runner.graph_batch_sizes)
         limit = self.before_ready_up_to
         now = {bs for bs in wanted if limit is None or bs <= limit}
-        # The kernels of the graphs built now are loaded while the description is read: with a limit, those
-        # graphs' sizes are known before it is (every size of the engine's up to the limit)
+        # With a limit the sizes built now are known before the description is read (every size of the
+        # engine's up to the limit), so their kernels start loading at once
         early = KernelLoad(runner, sorted(now)) if limit is not None else None
         try:
             mismatched = self._load_and_patch(runner, wanted, now)
@@ -103,7 +118,9 @@ class MaterializedGraphs:
         allocations differ, the reason for every wanted graph (none is restored, none left pending); else
         nothing."""
         t0 = time.perf_counter()
-        graph_set, params = GraphSet.load(self.directory, parse=now.__contains__)
+        reading, self._reading = self._reading or _Reading(self.directory, self.before_ready_up_to), None
+        graph_set, params = reading.result()
+        graph_set.graphs = [g for g in graph_set.graphs if g.batch_size in now]
         loaded = time.perf_counter()
         mismatch = allocation_mismatch(graph_set, runner)
         if mismatch:
@@ -122,8 +139,9 @@ class MaterializedGraphs:
             del graph_set.unparsed[bs]
         self._graph_set = graph_set
         t1 = time.perf_counter()
-        self.timings = {"load_and_patch_s": round(t1 - t0, 4), "read_s": round(loaded - t0, 4),
-                        "segments_s": round(patching - loaded, 4), "patch_s": round(t1 - patching, 4)}
+        self.timings = {"load_and_patch_s": round(t1 - t0, 4), "read_s": round(reading.seconds, 4),
+                        "read_wait_s": round(loaded - t0, 4), "segments_s": round(patching - loaded, 4),
+                        "patch_s": round(t1 - patching, 4)}
         return {}
 
     def restore_pending(self, runner: ModelRunner) -> dict[int, str]:
@@ -154,6 +172,32 @@ class MaterializedGraphs:
         # build_s on the H100, for 4 graphs), and nothing here needs the device to be idle
         return fallbacks, {"kernels_s": round(t1 - t0, 4), "build_s": round(time.perf_counter() - t1, 4),
                            "built": len(records) - len(fallbacks)}
+
+
+class _Reading:
+    """`GraphSet.load` on a thread of its own, parsing the graphs of the sizes up to `limit` (all: None)."""
+
+    def __init__(self, directory: Path, limit: int | None) -> None:
+        self.seconds = 0.0
+        self._result: tuple[GraphSet, bytes] | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._read, args=(directory, limit), name="graphs-read",
+                                        daemon=True)
+        self._thread.start()
+
+    def _read(self, directory: Path, limit: int | None) -> None:
+        start = time.perf_counter()
+        try:
+            self._result = GraphSet.load(directory, parse=lambda bs: limit is None or bs <= limit)
+        except BaseException as exc:  # raised again in the thread that asks for the result
+            self._error = exc
+        self.seconds = time.perf_counter() - start
+
+    def result(self) -> tuple[GraphSet, bytes]:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._result
 
 
 def kernel_names(graphs: list[GraphRecord]) -> set[str]:
