@@ -198,13 +198,15 @@ class WeightStream:
         try:
             slot_bytes = min(self.options.read_bytes, max(c.length for c in self.chunks))
             writer = self.sink.writer(slot_bytes, self.options.slots_per_thread)
-            while self._error is None:
-                try:
-                    i, offsets = self._todo.get_nowait()
-                except queue.Empty:
-                    break
-                self._load_pieces(i, offsets, writer)
-            writer.close()
+            try:
+                while self._error is None:
+                    try:
+                        i, offsets = self._todo.get_nowait()
+                    except queue.Empty:
+                        break
+                    self._load_pieces(i, offsets, writer)
+            finally:
+                writer.close()  # its copies have left its slots: they may be reused
         except BaseException as exc:  # noqa: BLE001 - handed to wait()
             with self._lock:
                 self._error = self._error or exc

@@ -112,19 +112,29 @@ class TorchCudaSink:
 
 
 class _TorchCudaWriter:
+    """Pinned slots from torch's host allocator, each copied to the GPU on the writer's stream through the
+    driver API, with one event per slot, recorded again for each piece it carries. Through torch (a tensor
+    view, `copy_`, a new `torch.cuda.Event` and a stream context per piece) the loader reached 82-86% of the
+    read limit from the page cache; a loop of driver calls reached 94% on the same machine (docs/benchmarks.md,
+    "Weight loading", tenth session). A piece's event, once recorded again, marks a later copy on the same
+    stream, so waiting on it still waits for the piece."""
+
     def __init__(self, sink: TorchCudaSink, slot_bytes: int, slots: int) -> None:
         import torch
+        from cuda.bindings import driver
 
-        self._torch = torch
-        self._buffer = sink.buffer
+        self._torch, self._d = torch, driver
+        self._base = sink.buffer.data_ptr()
+        self._end = self._base + sink.buffer.numel()
         torch.cuda.set_device(sink.buffer.device)
         self._stream = torch.cuda.Stream(sink.buffer.device)
         self._stream.wait_event(sink._ready)
+        self._handle = self._stream.cuda_stream
         self._slot_bytes = slot_bytes
         # each slot pinned on first use, so a reader starts after one slot rather than its whole ring: with
         # cudaHostAlloc a fresh process pinned ~0.6 ms per MiB, one allocation at a time (H100 machine: 0.31 s
         # for 16 readers' 32 MiB rings)
-        self._slots: list[list] = [[None, None, None] for _ in range(slots)]  # host tensor, its view, event
+        self._slots: list[list] = [[None, None, torch.cuda.Event(), False] for _ in range(slots)]
         self._turn = 0
 
     def slot(self, dst: int, n: int) -> memoryview:
@@ -132,22 +142,27 @@ class _TorchCudaWriter:
         if slot[0] is None:
             slot[0] = self._torch.empty(self._slot_bytes, dtype=self._torch.uint8, pin_memory=True)
             slot[1] = memoryview(slot[0].numpy())
-        elif slot[2] is not None:
+        elif slot[3]:
             slot[2].synchronize()  # the slot's previous copy has left it
         return slot[1][:n]
 
     def commit(self, dst: int, n: int) -> object:
-        torch = self._torch
         slot = self._slots[self._turn % len(self._slots)]
         self._turn += 1
-        with torch.cuda.stream(self._stream):
-            self._buffer[dst:dst + n].copy_(slot[0][:n], non_blocking=True)
-            slot[2] = torch.cuda.Event()
-            slot[2].record(self._stream)
+        if self._base + dst + n > self._end:
+            raise ValueError(f"a write of bytes {dst}-{dst + n} past a {self._end - self._base}-byte buffer")
+        call(self._d.cuMemcpyHtoDAsync(self._base + dst, slot[0].data_ptr(), n, self._handle), "cuMemcpyHtoDAsync")
+        slot[2].record(self._stream)
+        slot[3] = True
         return slot[2]
 
     def close(self) -> None:
-        pass  # the pinned slots go back to torch's cache; a frozen runtime empties it (snapshots/frozen.py)
+        """Wait for this writer's last copies: torch's host allocator does not know of them, and would hand
+        a slot to another reader while the GPU still reads it. The slots go back to torch's cache then (a
+        frozen runtime empties it, snapshots/frozen.py)."""
+        for slot in self._slots:
+            if slot[3]:
+                slot[2].synchronize()
 
 
 class DriverSink:
