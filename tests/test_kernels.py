@@ -134,18 +134,42 @@ def test_one_token_projection_matches_linear(k, bias, monkeypatch):
     assert linear(*on, out=out) is out and (out.cpu() - expected).abs().max() < 1e-4
 
 
-def test_projections_the_one_token_kernel_does_not_take_still_match_linear(monkeypatch):
+# bfloat16 on a GPU only: Triton's interpreter does not emulate a bfloat16 tl.dot
+@pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else []))
+@pytest.mark.parametrize("tokens,k,bias", [(2, 96, False), (5, 1040, True), (8, 512, False)])
+def test_few_token_projection_matches_linear(tokens, k, bias, dtype, monkeypatch):
+    from runtime.engine.kernels import gemv
+    from runtime.engine.layers.linear import linear
+
+    monkeypatch.setattr(dispatch, "kernels_on_cpu", True)
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(tokens, k, generator=g), torch.randn(48, k, generator=g) / k ** 0.5
+    b = torch.randn(48, generator=g) if bias else None
+    on = [t.to(DEVICE, dtype) if t is not None else None for t in (x, w, b)]
+    expected = F.linear(*[t.float() if t is not None else None for t in on]).cpu()  # same bf16 inputs, fp32 math
+    assert gemv.fits(on[0], on[1], on[2], None)
+    got = linear(*on).float().cpu()
+    assert got.shape == (tokens, 48) and (got - expected).abs().max() < 0.03  # one 16-bit rounding of the output
+    out = torch.empty(tokens, 48, device=DEVICE, dtype=dtype)
+    assert linear(*on, out=out) is out and torch.equal(out.float().cpu(), got)
+
+
+def test_projections_the_few_token_kernels_do_not_take_still_match_linear(monkeypatch):
     from runtime.engine.kernels import gemv
     from runtime.engine.layers.linear import linear
 
     monkeypatch.setattr(dispatch, "kernels_on_cpu", True)
     g = torch.Generator().manual_seed(3)
     w = torch.randn(40, 64, generator=g).to(DEVICE)
-    two_tokens = torch.randn(2, 64, generator=g).to(DEVICE)
+    two_tokens = torch.randn(2, 64, generator=g).to(DEVICE)           # float32: the tensor cores would round
+    nine_tokens = torch.randn(9, 64, generator=g).to(DEVICE, torch.bfloat16)
     unaligned = torch.randn(1, 65, generator=g).to(DEVICE)[:, 1:]      # a view 4 bytes into its storage
     odd = torch.randn(1, 64, generator=g).to(DEVICE), torch.randn(24, 64, generator=g).to(DEVICE)[:20]
     assert not gemv.fits(two_tokens, w, None, None) and not gemv.fits(unaligned, w, None, None)
+    assert not gemv.fits(nine_tokens, w.to(torch.bfloat16), None, None)
     assert not gemv.fits(odd[0], odd[1], None, None)                  # 20 rows: not a multiple of 16
+    assert torch.allclose(linear(nine_tokens, w.to(torch.bfloat16)).float(),
+                          F.linear(nine_tokens, w.to(torch.bfloat16)).float())
     for x, weight in ((two_tokens, w), (unaligned, w), odd):
         assert torch.allclose(linear(x, weight), F.linear(x, weight))
 

@@ -74,35 +74,36 @@ def kernel_handles(found: dict[str, set[int]], names: set[str]) -> dict[str, int
     return handles
 
 
-def warm_cublas(device: torch.device, dtype: torch.dtype) -> None:
+def warm_cublas(device: int, dtype: torch.dtype) -> None:
     """cuBLAS's first call in a process sets the library up: 70-100 ms on the H100, whatever the shape, after
-    which a new shape's kernel costs 2-4 ms. Made on a thread of its own, it overlaps the first batch size's
-    (Triton's) modules loading."""
-    with torch.inference_mode():
-        x = torch.zeros(2, 256, device=device, dtype=dtype)
-        torch.nn.functional.linear(x, torch.zeros(256, 256, device=device, dtype=dtype))
-        torch.cuda.current_stream(device).synchronize()
+    which a new shape's kernel costs 2-4 ms. The decode graphs built before ready need no cuBLAS (runtime/
+    engine/kernels/gemv.py), but the first prefill and the graphs built after ready do: run on a thread of its
+    own, this overlaps the weight stream. A failure costs only time, so it is logged."""
+    try:
+        torch.cuda.set_device(device)  # the current device is per thread
+        with torch.inference_mode():
+            x = torch.zeros(2, 256, device=torch.device("cuda", device), dtype=dtype)
+            torch.nn.functional.linear(x, torch.zeros(256, 256, device=x.device, dtype=dtype))
+            torch.cuda.current_stream(x.device).synchronize()
+    except Exception as exc:
+        log.warning("warming cuBLAS up failed: %s", exc)
 
 
 class KernelLoad:
     """`load_kernels` on a thread of its own, started before the graphs' description is needed, so that the
-    module loads it waits on overlap checking and patching the description; cuBLAS sets itself up meanwhile on
-    a second thread (`warm_cublas`). It goes through `batch_sizes` in order until `need` has named the kernels
-    and they are all found: each size can load modules of its own that no graph needs. `result()` joins it;
-    `seconds` is how long it ran."""
+    module loads it waits on overlap checking and patching the description. It goes through `batch_sizes` in
+    order until `need` has named the kernels and they are all found: each size can load modules of its own
+    that no graph needs. `result()` joins it; `seconds` is how long it ran."""
 
     def __init__(self, runner: ModelRunner, batch_sizes: list[int]) -> None:
         self.seconds = 0.0
         self._names: set[str] | None = None
         self._found: dict[str, set[int]] = {}
         self._error: BaseException | None = None
-        self._device = torch.cuda.current_device()  # the current device is per thread: the new ones take ours
-        self._threads = [threading.Thread(target=self._run, args=(runner, batch_sizes), name="graph-kernels",
-                                          daemon=True),
-                         threading.Thread(target=self._warm_cublas, args=(runner.dtype,), name="cublas-warm-up",
-                                          daemon=True)]
-        for thread in self._threads:
-            thread.start()
+        self._device = torch.cuda.current_device()  # the current device is per thread: the new one takes ours
+        self._thread = threading.Thread(target=self._run, args=(runner, batch_sizes), name="graph-kernels",
+                                        daemon=True)
+        self._thread.start()
 
     def _run(self, runner: ModelRunner, batch_sizes: list[int]) -> None:
         start = time.perf_counter()
@@ -113,13 +114,6 @@ class KernelLoad:
             self._error = exc
         self.seconds = time.perf_counter() - start
 
-    def _warm_cublas(self, dtype: torch.dtype) -> None:
-        try:
-            torch.cuda.set_device(self._device)
-            warm_cublas(torch.device("cuda", self._device), dtype)
-        except Exception as exc:  # only time is lost: the first size that uses cuBLAS sets it up itself
-            log.warning("warming cuBLAS up failed: %s", exc)
-
     def need(self, names: set[str]) -> None:
         """The kernels the graphs use, once their description is read."""
         self._names = names
@@ -129,11 +123,10 @@ class KernelLoad:
         return names is not None and names <= found
 
     def join(self) -> None:
-        for thread in self._threads:
-            thread.join()
+        self._thread.join()
 
     def result(self) -> dict[str, set[int]]:
-        self.join()
+        self._thread.join()
         if self._error is not None:
             raise self._error
         return self._found

@@ -23,7 +23,7 @@ import torch
 from runtime.engine.model_runner import ModelRunner
 from runtime.logs import get_logger
 from snapshots.cudagraph import driver as cu
-from snapshots.cudagraph.kernels import KernelLoad, kernel_handles, load_kernels
+from snapshots.cudagraph.kernels import KernelLoad, kernel_handles, load_kernels, warm_cublas
 from snapshots.cudagraph.records import (ALLOC, KINDS, SEGMENT, EmptyNode, GraphRecord, GraphSet, KernelNode,
                                          MemsetNode, Relocation, RelocationTable, decode_attribute)
 
@@ -89,10 +89,15 @@ class MaterializedGraphs:
         # With a limit the sizes built now are known before the description is read (every size of the
         # engine's up to the limit), so their kernels start loading at once
         early = KernelLoad(runner, sorted(now)) if limit is not None else None
+        # for the first prefill and the graphs built after ready, while the weights stream in
+        cublas = threading.Thread(target=warm_cublas, args=(torch.cuda.current_device(), runner.dtype),
+                                  name="cublas-warm-up", daemon=True)
+        cublas.start()
+        fallbacks: dict[int, str] = {}
         try:
-            mismatched = self._load_and_patch(runner, wanted, now)
-            if mismatched:
-                return mismatched
+            fallbacks = self._load_and_patch(runner, wanted, now)
+            if fallbacks:
+                return fallbacks
             waited = time.perf_counter()
             if early is not None:
                 names = kernel_names(self._graph_set.graphs)
@@ -109,6 +114,8 @@ class MaterializedGraphs:
         finally:
             if early is not None:
                 early.join()  # never left capturing while the engine captures live
+            if fallbacks:
+                cublas.join()  # nor calling cuBLAS: the engine captures the fallbacks live
         self.timings.update(timings)
         return fallbacks
 

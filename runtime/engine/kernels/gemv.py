@@ -1,14 +1,22 @@
-"""Triton matrix-vector product for a single token: y = x @ W.T (+ b), the projections of a batch-1 decode step.
+"""Triton products for a few tokens: y = x @ W.T (+ b), the projections of decode steps at batch sizes 1 to 8.
 
 At one token a projection is one pass over its weight matrix, so it is bound by HBM bandwidth. On the H100
 cuBLAS read the Llama-3-8B projections at 2.0-2.9 TB/s at batch 1; this kernel read them at 2.6-3.2 TB/s
 (docs/benchmarks.md, "Decode throughput", seventh session). Each program reduces BLOCK_N rows of W over K in
 BLOCK_K-wide chunks, accumulating in float32.
 
-One configuration serves every shape and the bias is a runtime flag, so a model's GEMVs are all one compiled
-specialisation: a materialised CUDA graph finds its kernels by name (snapshots/cudagraph), and two
-specialisations of one Triton kernel would share this one's name. `fits` keeps it that way, sending anything
-else (an unaligned view, a dimension not a multiple of 16) to cuBLAS.
+Two to eight tokens go through a second kernel, `_few_rows_kernel`: each program takes BLOCK_N rows of W
+and the tokens padded to 16 rows, on the tensor cores; still one pass over W. On the H100 it matched cuBLAS
+at 2, 4 and 8 tokens (a Qwen2-1.5B layer's four projections 72.9 against 73.1 us, Llama-3-8B's 202.6
+against 205.0), and it keeps cuBLAS out of the decode graphs a materialised start builds before ready:
+cuBLAS's first call in a process costs 70-100 ms, its kernels one module load each (docs/benchmarks.md,
+tenth session).
+
+One configuration per kernel serves every shape, and the bias and the number of tokens are runtime
+arguments, so a model's products are two compiled specialisations, one per kernel: a materialised CUDA
+graph finds its kernels by name (snapshots/cudagraph), and two specialisations of one Triton kernel would
+share a name. `fits` keeps it that way, sending anything else (an unaligned view, a dimension not a
+multiple of 16, more than eight tokens) to cuBLAS.
 """
 
 from __future__ import annotations
@@ -38,9 +46,37 @@ def _gemv_kernel(w_ptr, x_ptr, bias_ptr, y_ptr, N, K, has_bias, BLOCK_N: tl.cons
     tl.store(y_ptr + rows, acc.to(y_ptr.dtype.element_ty), mask=row_valid)
 
 
+@triton.jit(do_not_specialize=["M", "has_bias"])
+def _few_rows_kernel(w_ptr, x_ptr, bias_ptr, y_ptr, M, N, K, has_bias, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tokens = tl.arange(0, BLOCK_M)
+    row_valid, token_valid = rows < N, tokens < M
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for start in range(0, K, BLOCK_K):
+        cols = start + tl.arange(0, BLOCK_K)
+        col_valid = cols < K
+        w = tl.load(w_ptr + rows[None, :] * K + cols[:, None], mask=row_valid[None, :] & col_valid[:, None],
+                    other=0.0)  # [BLOCK_K, BLOCK_N]: W's rows as columns
+        x = tl.load(x_ptr + tokens[:, None] * K + cols[None, :], mask=token_valid[:, None] & col_valid[None, :],
+                    other=0.0)
+        acc = tl.dot(x, w, acc)
+    if has_bias != 0:
+        acc += tl.load(bias_ptr + rows, mask=row_valid, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + tokens[:, None] * N + rows[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=token_valid[:, None] & row_valid[None, :])
+
+
+MAX_FEW_ROWS = 8
+FEW_BLOCK_M, FEW_BLOCK_N, FEW_BLOCK_K = 16, 16, 512  # 16: the tensor cores' smallest tile
+
+
 def fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None) -> bool:
-    """Whether this product is one token's and lands in the single specialisation the kernel is used at."""
-    if x.dim() != 2 or x.shape[0] != 1 or not x.is_contiguous() or not weight.is_contiguous():
+    """Whether this product is one to eight tokens' and lands in the single specialisation its kernel is used
+    at. Two to eight tokens take 16-bit weights only: on float32 the tensor cores would round to TF32."""
+    if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_FEW_ROWS or not x.is_contiguous() or not weight.is_contiguous():
+        return False
+    if x.shape[0] > 1 and weight.dtype not in (torch.bfloat16, torch.float16):
         return False
     n, k = weight.shape
     tensors = [x, weight] + [t for t in (bias, out) if t is not None]
@@ -51,9 +87,17 @@ def fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          out: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [1, K]; weight: [N, K]; bias: [N] or None. Returns [1, N] in x's dtype (into `out` if given)."""
+    """x: [M, K] (M 1 to 8); weight: [N, K]; bias: [N] or None. Returns [M, N] in x's dtype (into `out` if
+    given)."""
+    m = x.shape[0]
     n, k = weight.shape
-    out = torch.empty((1, n), dtype=x.dtype, device=x.device) if out is None else out
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device) if out is None else out
+    if m > 1:
+        _few_rows_kernel[(triton.cdiv(n, FEW_BLOCK_N),)](weight, x, weight if bias is None else bias, out, m, n, k,
+                                                       0 if bias is None else 1, BLOCK_M=FEW_BLOCK_M,
+                                                       BLOCK_N=FEW_BLOCK_N, BLOCK_K=FEW_BLOCK_K, num_warps=4,
+                                                       num_stages=3)
+        return out
     # without a bias the weight stands in for its pointer: never read, and aligned like the real one
     _gemv_kernel[(triton.cdiv(n, BLOCK_N),)](weight, x, weight if bias is None else bias, out, n, k,
                                              0 if bias is None else 1, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,

@@ -25,8 +25,9 @@ class Linear(nn.Module):
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            out: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias), into `out` if given. A single token on cuda goes through the GEMV kernel, which
-    reads the weights closer to HBM bandwidth than cuBLAS does at batch 1 (runtime/engine/kernels/gemv.py)."""
+    """x @ weight.T (+ bias), into `out` if given. One to eight tokens on cuda go through the few-token kernels
+    (runtime/engine/kernels/gemv.py): one token's reads the weights closer to HBM bandwidth than cuBLAS does,
+    and neither needs cuBLAS, whose first call in a process is slow."""
     if use_kernels(x):
         from runtime.engine.kernels.gemv import fits, gemv
 
