@@ -114,10 +114,10 @@ class TorchCudaSink:
 class _TorchCudaWriter:
     """Pinned slots from torch's host allocator, each copied to the GPU on the writer's stream through the
     driver API, with one event per slot, recorded again for each piece it carries. Through torch (a tensor
-    view, `copy_`, a new `torch.cuda.Event` and a stream context per piece) the loader reached 82-86% of the
-    read limit from the page cache; a loop of driver calls reached 94% on the same machine (docs/benchmarks.md,
-    "Weight loading", tenth session). A piece's event, once recorded again, marks a later copy on the same
-    stream, so waiting on it still waits for the piece."""
+    view, `copy_`, a new `torch.cuda.Event` and a stream context per piece) each piece held the GIL longer: the
+    loader was ~5% slower from the page cache on the H100 (docs/benchmarks.md, "Weight loading", tenth
+    session). A piece's event, once recorded again, marks a later copy on the same stream, so waiting on it
+    still waits for the piece."""
 
     def __init__(self, sink: TorchCudaSink, slot_bytes: int, slots: int) -> None:
         import torch
