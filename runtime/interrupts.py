@@ -4,10 +4,15 @@ A process-directed signal goes to any thread that does not block it, and CPython
 only in the main thread, between bytecodes. Delivered to one of torch's or a thread pool's threads while the
 main thread waits in a system call (a recv() from an S3 endpoint that never answers), the handler would not
 run until that call returned, minutes later. So a watcher thread learns of every signal through the wakeup
-fd and pokes the main thread with SIGUSR1 (whose handler does nothing): the interrupted call returns EINTR,
-CPython runs the pending handlers, and the SIGTERM handler raises KeyboardInterrupt (once: a second signal
-must not interrupt the clean-up the first one started). A poke that lands just before the main thread enters
+fd and pokes the main thread with SIGUSR1: the interrupted call returns EINTR, CPython runs the pending
+handlers, and the handler raises KeyboardInterrupt (once: a second signal must not interrupt the clean-up the
+first one started). A poke that lands just before the main thread enters
 its system call interrupts nothing, so the watcher pokes again every 50 ms until the handler has run.
+
+The handler runs wherever the main thread is between bytecodes, and that may be inside a finalizer (a
+socket's or a response's `__del__`, run by the garbage collector): an exception raised there is printed
+and dropped, and the build would go on. So a handler that finds itself inside `__del__` does nothing, and
+the watcher's next poke (whose handler is the same) raises.
 """
 
 from __future__ import annotations
@@ -15,22 +20,26 @@ from __future__ import annotations
 import os
 import signal
 import threading
+from types import FrameType
 
 _POKE = signal.SIGUSR1
 
 
 def sigterm_interrupts_main() -> None:
     """Install the handlers; call once, from the main thread."""
-    raised = threading.Event()
+    requested, raised = threading.Event(), threading.Event()
 
-    def interrupt(signum: int, frame: object) -> None:
-        if not raised.is_set():
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        """SIGTERM or SIGINT, or the watcher's poke: raises once an interrupt is asked for, where it will not be
+        dropped."""
+        if signum != _POKE:
+            requested.set()
+        if requested.is_set() and not raised.is_set() and not in_finalizer(frame):
             raised.set()
             raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, interrupt)
-    signal.signal(signal.SIGINT, interrupt)
-    signal.signal(_POKE, lambda signum, frame: None)
+    for signum in (signal.SIGTERM, signal.SIGINT, _POKE):
+        signal.signal(signum, interrupt)
     read_end, write_end = os.pipe()
     os.set_blocking(write_end, False)
     signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
@@ -45,3 +54,12 @@ def sigterm_interrupts_main() -> None:
                     raised.wait(0.05)
 
     threading.Thread(target=watch, name="signal-watcher", daemon=True).start()
+
+
+def in_finalizer(frame: FrameType | None) -> bool:
+    """Whether `frame` runs inside a `__del__`, where a raised exception would be dropped."""
+    while frame is not None:
+        if frame.f_code.co_name == "__del__":
+            return True
+        frame = frame.f_back
+    return False
