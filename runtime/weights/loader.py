@@ -180,10 +180,7 @@ class WeightStream:
         self._finished = True
         for source in self.sources:  # cache files are renamed into place only if every chunk was verified
             source.close(self._error is None)
-        self._raise_if_failed()
-        for copies in self._copied:
-            for event in copies:
-                event.synchronize()
+        self._raise_if_failed()  # every copy has landed: each reader's writer.close() waited for its own
         if self.device_check is not None:
             self._raise_if_corrupt([(f, j, "device checksum") for f, j in self.device_check.mismatches()])
         self._report()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from ctypes import POINTER, c_size_t, c_void_p
 from pathlib import Path
 
@@ -71,7 +72,7 @@ class MaterializedGraphs:
         self._handles: dict[str, int] = {}
         self._bases: dict[tuple[str, int], int] = {}
         self._blob: np.ndarray | None = None
-        self._reading: _Reading | None = None
+        self._reading: Future | None = None  # of _read_description
 
     @property
     def pending(self) -> list[int]:
@@ -81,7 +82,9 @@ class MaterializedGraphs:
     def read_ahead(self) -> None:
         """Read the description on a thread, parsing the graphs of the sizes up to the limit."""
         if self._reading is None:
-            self._reading = _Reading(self.directory, self.before_ready_up_to)
+            pool = ThreadPoolExecutor(1, thread_name_prefix="graphs-read")
+            self._reading = pool.submit(_read_description, self.directory, self.before_ready_up_to)
+            pool.shutdown(wait=False)
 
     def restore(self, runner: ModelRunner) -> dict[int, str]:
         wanted = set(runner.graph_batch_sizes)
@@ -126,8 +129,9 @@ class MaterializedGraphs:
         allocations differ, the reason for every wanted graph (none is restored, none left pending); else
         nothing."""
         t0 = time.perf_counter()
-        reading, self._reading = self._reading or _Reading(self.directory, self.before_ready_up_to), None
-        graph_set, params = reading.result()
+        reading, self._reading = self._reading, None
+        graph_set, params, read_s = (reading.result() if reading is not None
+                                     else _read_description(self.directory, self.before_ready_up_to))
         graph_set.graphs = [g for g in graph_set.graphs if g.batch_size in now]
         loaded = time.perf_counter()
         mismatch = allocation_mismatch(graph_set, runner)
@@ -147,7 +151,7 @@ class MaterializedGraphs:
             del graph_set.unparsed[bs]
         self._graph_set = graph_set
         t1 = time.perf_counter()
-        self.timings = {"load_and_patch_s": round(t1 - t0, 4), "read_s": round(reading.seconds, 4),
+        self.timings = {"load_and_patch_s": round(t1 - t0, 4), "read_s": round(read_s, 4),
                         "read_wait_s": round(loaded - t0, 4), "segments_s": round(patching - loaded, 4),
                         "patch_s": round(t1 - patching, 4)}
         return {}
@@ -182,30 +186,11 @@ class MaterializedGraphs:
                            "built": len(records) - len(fallbacks)}
 
 
-class _Reading:
-    """`GraphSet.load` on a thread of its own, parsing the graphs of the sizes up to `limit` (all: None)."""
-
-    def __init__(self, directory: Path, limit: int | None) -> None:
-        self.seconds = 0.0
-        self._result: tuple[GraphSet, bytes] | None = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._read, args=(directory, limit), name="graphs-read",
-                                        daemon=True)
-        self._thread.start()
-
-    def _read(self, directory: Path, limit: int | None) -> None:
-        start = time.perf_counter()
-        try:
-            self._result = GraphSet.load(directory, parse=lambda bs: limit is None or bs <= limit)
-        except BaseException as exc:  # raised again in the thread that asks for the result
-            self._error = exc
-        self.seconds = time.perf_counter() - start
-
-    def result(self) -> tuple[GraphSet, bytes]:
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return self._result
+def _read_description(directory: Path, limit: int | None) -> tuple[GraphSet, bytes, float]:
+    """`GraphSet.load`, parsing the graphs of the sizes up to `limit` (all: None), and the seconds it took."""
+    start = time.perf_counter()
+    graph_set, params = GraphSet.load(directory, parse=lambda bs: limit is None or bs <= limit)
+    return graph_set, params, time.perf_counter() - start
 
 
 def kernel_names(graphs: list[GraphRecord]) -> set[str]:
