@@ -52,13 +52,13 @@ def build_engine(model_dir: Path, config: EngineConfig, timeline: Timeline | Non
 def _layout_loader(layout_dir: Path, config: EngineConfig, timeline: Timeline | None, settings: Settings):
     import dataclasses
 
-    from runtime.weights.loader import layout_loader
-    from runtime.weights.manifest import Manifest
+    from runtime.weights.loader import LayoutLoader
     from runtime.weights.resolve import disk_cache
     from runtime.weights.sources import ORIGIN
 
-    if settings.dtype == "auto":  # a layout holds one dtype: auto means that one
-        config = dataclasses.replace(config, dtype=Manifest.read(layout_dir).dtype)
     cache = disk_cache(settings.cache_dir, settings.cache_max_gb) if (layout_dir / ORIGIN).is_file() else None
     timeline = timeline or Timeline()
-    return layout_loader(layout_dir, timeline=timeline, cache=cache), config, timeline
+    loader = LayoutLoader(layout_dir, timeline=timeline, cache=cache)
+    if settings.dtype == "auto":  # a layout holds one dtype: auto means that one
+        config = dataclasses.replace(config, dtype=loader.manifest.dtype)
+    return loader, config, timeline

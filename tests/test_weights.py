@@ -18,7 +18,7 @@ from runtime.engine.weight_plan import plan_weights
 from runtime.weights.errors import WeightsError
 from runtime.weights.hf_dir import hf_dir_loader
 from runtime.weights.layout import write_layout
-from runtime.weights.loader import LoaderOptions, layout_loader
+from runtime.weights.loader import LoaderOptions, LayoutLoader
 from runtime.weights.manifest import HASHES, Manifest
 from snapshots.build import BuildError, parse_args
 from tests.weights_helpers import cpu_settings, greedy, start
@@ -44,7 +44,7 @@ def test_layout_bytes_are_the_engine_weight_buffer(tiny_model, local_layout):
     for threads, window in ((1, 0), (3, 0), (3, 4096)):
         got = torch.full((plan.total_bytes,), 7, dtype=torch.uint8)
         options = LoaderOptions(threads=threads, read_bytes=20_000, hash_window_bytes=window)
-        layout_loader(local_layout, options)(plan, got).wait()
+        LayoutLoader(local_layout, options)(plan, got).wait()
         assert torch.equal(got, expected)
     manifest = Manifest.read(local_layout)
     assert manifest.hash == "xxh3-128"  # the default
@@ -60,7 +60,7 @@ def test_layout_bytes_are_the_engine_weight_buffer(tiny_model, local_layout):
 def test_wait_tensor_gives_each_tensor_before_the_whole_load_is_waited_for(tiny_model, local_layout):
     plan = plan_weights(ModelConfig.from_dir(local_layout), "float32")
     buffer = torch.zeros(plan.total_bytes, dtype=torch.uint8)
-    load = layout_loader(local_layout, LoaderOptions(threads=2, read_bytes=20_000))(plan, buffer)
+    load = LayoutLoader(local_layout, LoaderOptions(threads=2, read_bytes=20_000))(plan, buffer)
     ref = load_file(Path(tiny_model("tiny-llama")) / "model.safetensors")
     last = plan.tensors[-1]
     load.wait_tensor(last.name)
@@ -91,7 +91,7 @@ def test_a_layout_of_each_chunk_hash_loads_byte_exact(hash, tiny_model, local_la
         data = (layout / f.name).read_bytes()
         assert list(f.digests) == [REFERENCE[hash](data[o:o + n]) for o, n in f.chunks()]
     got = torch.full((manifest.total_bytes,), 7, dtype=torch.uint8)
-    layout_loader(layout, LoaderOptions(threads=3, read_bytes=20_000))(manifest.plan, got).wait()
+    LayoutLoader(layout, LoaderOptions(threads=3, read_bytes=20_000))(manifest.plan, got).wait()
     assert got.numpy().tobytes() == b"".join((local_layout / f.name).read_bytes() for f in manifest.files)
 
 
@@ -107,7 +107,7 @@ def test_a_corrupted_file_is_an_error_naming_it(hash, tiny_model, tmp_path):
     with pytest.raises(WeightsError, match=rf"weights-00001\.bin chunk \d+ .* fails its {hash} check"):
         start(str(broken), cpu_settings(tmp_path))
     manifest = Manifest.read(broken)  # read and hashed in small windows: caught the same
-    windows = layout_loader(broken, LoaderOptions(threads=2, read_bytes=20_000, hash_window_bytes=4096))
+    windows = LayoutLoader(broken, LoaderOptions(threads=2, read_bytes=20_000, hash_window_bytes=4096))
     with pytest.raises(WeightsError, match=rf"weights-00001\.bin chunk \d+ .* fails its {hash} check"):
         windows(manifest.plan, torch.zeros(manifest.plan.total_bytes, dtype=torch.uint8)).wait()
     victim.write_bytes(bytes(data[:1000]))
@@ -175,7 +175,7 @@ def test_a_gguf_file_builds_the_same_bytes_as_its_imported_directory(tmp_path):
     expected = torch.zeros(manifest.plan.total_bytes, dtype=torch.uint8)
     hf_dir_loader(imported)(manifest.plan, expected).wait()
     got = torch.zeros_like(expected)
-    layout_loader(tmp_path / "layout")(manifest.plan, got).wait()
+    LayoutLoader(tmp_path / "layout")(manifest.plan, got).wait()
     assert torch.equal(got, expected)
     assert (tmp_path / "layout" / "tokenizer.json").read_bytes() == (imported / "tokenizer.json").read_bytes()
 

@@ -9,7 +9,7 @@ from runtime.engine.model_config import ModelConfig
 from runtime.engine.weight_plan import plan_weights
 from runtime.weights.hf_dir import hf_dir_loader
 from runtime.weights.layout import write_layout
-from runtime.weights.loader import LoaderOptions, layout_loader
+from runtime.weights.loader import LoaderOptions, LayoutLoader
 from tests.weights_helpers import cpu_settings, greedy, start
 
 pytestmark = pytest.mark.gpu
@@ -23,7 +23,7 @@ def test_layout_streams_to_the_gpu_byte_for_byte_and_text_is_unchanged(tiny_mode
     expected = torch.zeros(plan.total_bytes, dtype=torch.uint8, device="cuda")
     hf_dir_loader(Path(src))(plan, expected).wait()
     got = torch.full((plan.total_bytes,), 3, dtype=torch.uint8, device="cuda")
-    load = layout_loader(layout, LoaderOptions(threads=4, read_bytes=16_384, slots_per_thread=2))(plan, got)
+    load = LayoutLoader(layout, LoaderOptions(threads=4, read_bytes=16_384, slots_per_thread=2))(plan, got)
     first = plan.tensors[0]
     load.wait_tensor(first.name)  # usable on the current stream before the whole load is waited for
     span = slice(first.offset, first.offset + first.nbytes)
@@ -52,7 +52,7 @@ def test_weights_streamed_by_a_torch_free_process_map_under_the_engines_range(ti
     write_layout(src, str(layout), dtype="bfloat16", file_bytes=100_000, chunk_bytes=40_000, progress=False)
     plan = plan_weights(ModelConfig.from_dir(src), "bfloat16")
     expected = torch.zeros(plan.total_bytes, dtype=torch.uint8, device="cuda")
-    layout_loader(layout)(plan, expected).wait()
+    LayoutLoader(layout)(plan, expected).wait()
 
     weights = ReleasableBuffer(plan.total_bytes, torch.device("cuda"))
     weights.release()
@@ -83,7 +83,7 @@ def test_a_local_load_is_verified_on_the_gpu_and_a_flipped_bit_names_its_file(ti
                  progress=False)
     manifest = Manifest.read(layout)
     buffer = torch.zeros(manifest.total_bytes, dtype=torch.uint8, device="cuda")
-    load = layout_loader(layout)(manifest.plan, buffer).wait()
+    load = LayoutLoader(layout)(manifest.plan, buffer).wait()
     assert load.verified == "device"
     assert buffer.cpu().numpy().tobytes() == b"".join((layout / f.name).read_bytes() for f in manifest.files)
 
@@ -92,8 +92,8 @@ def test_a_local_load_is_verified_on_the_gpu_and_a_flipped_bit_names_its_file(ti
     data[len(data) // 3] ^= 0x04
     victim.write_bytes(bytes(data))
     with pytest.raises(WeightsError, match=rf"{manifest.files[1].name} chunk \d+ .* fails its device checksum check"):
-        layout_loader(layout)(manifest.plan, buffer).wait()
-    on_host = layout_loader(layout, LoaderOptions(verify_on_device=False))
+        LayoutLoader(layout)(manifest.plan, buffer).wait()
+    on_host = LayoutLoader(layout, LoaderOptions(verify_on_device=False))
     with pytest.raises(WeightsError, match=rf"{manifest.files[1].name} chunk \d+ .* fails its xxh3-128 check"):
         on_host(manifest.plan, buffer).wait()
 
@@ -112,5 +112,5 @@ def test_a_layout_without_device_checksums_is_verified_on_the_host(tiny_model, t
     (layout / MANIFEST).write_bytes(orjson.dumps(raw))
     manifest = Manifest.read(layout)
     buffer = torch.zeros(manifest.total_bytes, dtype=torch.uint8, device="cuda")
-    assert layout_loader(layout)(manifest.plan, buffer).wait().verified == "host"
+    assert LayoutLoader(layout)(manifest.plan, buffer).wait().verified == "host"
     assert buffer.cpu().numpy().tobytes() == b"".join((layout / f.name).read_bytes() for f in manifest.files)

@@ -284,27 +284,31 @@ def stream_layout(manifest: Manifest, sources: list, plan: WeightPlan, buffer: "
     return WeightStream(manifest, sources, sink, options, where, timeline)
 
 
-def layout_loader(layout_dir: Path, options: LoaderOptions | None = None, timeline: Timeline | None = None,
-                  cache: DiskCache | None = None, store: S3Store | None = None):
+class LayoutLoader:
     """A LoadWeights for a faas-build layout directory. Weight files missing from it are streamed from the
-    layout's origin (origin.json: the s3:// prefix it was cached from), filling `cache` on the way."""
-    from runtime.weights.sources import open_sources
+    layout's origin (origin.json: the s3:// prefix it was cached from), filling `cache` on the way. The
+    manifest is read once, here: the engine takes its dtype from it before the load."""
 
-    layout_dir = Path(layout_dir)
-    options = options or LoaderOptions()
+    def __init__(self, layout_dir: Path, options: LoaderOptions | None = None, timeline: Timeline | None = None,
+                 cache: DiskCache | None = None, store: S3Store | None = None) -> None:
+        self.layout_dir = Path(layout_dir)
+        self.manifest = Manifest.read(self.layout_dir)
+        self.options = options or LoaderOptions()
+        self.timeline = timeline
+        self.cache = cache
+        self.store = store
 
-    def load(plan: WeightPlan, buffer: "torch.Tensor") -> WeightStream:
-        manifest = Manifest.read(layout_dir)
-        s3 = store or S3Store()  # boto3 is imported only if a file is streamed from S3
-        sources = open_sources(layout_dir, manifest, cache, s3)
-        streaming = options
+    def __call__(self, plan: WeightPlan, buffer: "torch.Tensor") -> WeightStream:
+        from runtime.weights.sources import open_sources
+
+        s3 = self.store or S3Store()  # boto3 is imported only if a file is streamed from S3
+        sources = open_sources(self.layout_dir, self.manifest, self.cache, s3)
+        options = self.options
         if any(source.tier == "s3" for source in sources):  # S3 settings: GETs in flight and their size
-            streaming = dataclasses.replace(options, threads=s3.options.concurrency, read_bytes=s3.options.part_bytes)
+            options = dataclasses.replace(options, threads=s3.options.concurrency, read_bytes=s3.options.part_bytes)
         try:
-            return stream_layout(manifest, sources, plan, buffer, streaming, str(layout_dir), timeline)
+            return stream_layout(self.manifest, sources, plan, buffer, options, str(self.layout_dir), self.timeline)
         except BaseException:
             for source in sources:
                 source.close(False)
             raise
-
-    return load
