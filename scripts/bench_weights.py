@@ -4,7 +4,10 @@ For each shape (a random-weight model of a real shape, scripts/model_shapes.py),
   limit_read      the layout files read in parallel (16 threads, 64 MiB preadv) and thrown away
   limit_h2d       pinned host memory -> GPU, 256 MiB copies (GPU only)
   loader          runtime/weights/loader.py into the engine's flat buffer, as the engine runs it: on a GPU
-                  each chunk checked there once it lands (device checksums), on CPU hashed on the host
+                  each chunk checked there once it lands (device checksums), on CPU hashed on the host.
+                  Timed like the engine's weights stage, from the load call until every chunk is verified;
+                  the LayoutLoader (its manifest read) and the buffer are made before, as in the engine
+                  (their time, once: `made_s`)
   loader_host_xxh3-128  the same with the chunks hashed on the host (LoaderOptions.verify_on_device=False),
                   each whole piece after it is read; loader_hash_windows hashing 1 MiB windows as they are read
   loader_nohash   the same without verification: what verifying costs (page cache only)
@@ -111,15 +114,18 @@ def h2d_limit(device: str) -> float | None:
     return timed(lambda: [dev.copy_(host, non_blocking=True) for _ in range(32)], 32 * 256 * MiB, device)
 
 
-def load_layout(layout: Path, device: str, options: LoaderOptions, cache=None) -> None:
-    """As the engine loads: the loader reads the manifest, the weight buffer is allocated, then the load."""
+def prepared_load(layout: Path, device: str, options: LoaderOptions, cache=None):
+    """One load as the engine's weights stage runs it: the loader made (its manifest read, in Engine.build)
+    and the weight buffer allocated (Engine.start) before it; what a call of the returned function times is
+    the load, from the call to wait() returning with every chunk verified."""
     load = LayoutLoader(layout, options, cache=cache)
     buffer = torch.empty(load.manifest.total_bytes, dtype=torch.uint8, device=device)
-    load(load.manifest.plan, buffer).wait()
+    return lambda: load(load.manifest.plan, buffer).wait()
 
 
-def load_layout_driver(layout: Path, options: LoaderOptions) -> None:
-    """As the restore helper does: LocalFile sources, a DriverSink over device memory, no torch in the path."""
+def prepared_driver_load(layout: Path, options: LoaderOptions):
+    """As the restore helper loads: LocalFile sources, a DriverSink over device memory, no torch in the path
+    (the manifest read and the memory allocated before, as prepared_load)."""
     from cuda.bindings import driver
 
     from runtime.weights.loader import WeightStream
@@ -130,9 +136,13 @@ def load_layout_driver(layout: Path, options: LoaderOptions) -> None:
     manifest = Manifest.read(layout)
     buffer = torch.empty(manifest.total_bytes, dtype=torch.uint8, device="cuda")
     context = call(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
-    sources = [LocalFile(layout / f.name) for f in manifest.files]
-    WeightStream(manifest, sources, DriverSink(buffer.data_ptr(), manifest.total_bytes, context), options,
-                 str(layout)).wait()
+
+    def load() -> None:
+        sources = [LocalFile(layout / f.name) for f in manifest.files]
+        WeightStream(manifest, sources, DriverSink(buffer.data_ptr(), manifest.total_bytes, context), options,
+                     str(layout)).wait()
+
+    return load
 
 
 def sweep(layout: Path, files: list[Path], nbytes: int, device: str, repeat: int) -> list[dict]:
@@ -141,7 +151,7 @@ def sweep(layout: Path, files: list[Path], nbytes: int, device: str, repeat: int
         for read_mb in (8, 16, 64):
             for slots in (2, 4):
                 options = LoaderOptions(threads=threads, read_bytes=read_mb * MiB, slots_per_thread=slots)
-                row = warm_and_cold(f"t{threads} r{read_mb} s{slots}", lambda: load_layout(layout, device, options),
+                row = warm_and_cold(f"t{threads} r{read_mb} s{slots}", prepared_load(layout, device, options),
                                     files, nbytes, device, repeat, False)
                 rows.append({"threads": threads, "read_mb": read_mb, "slots": slots, **row})
     return rows
@@ -199,10 +209,9 @@ def bench_s3(model_dir: Path, device: str, options: LoaderOptions, work: Path, f
         cache = disk_cache(work / "s3-cache", 1000.0)
         shutil.rmtree(cache.root, ignore_errors=True)
         entry = resolve_model("s3://bench/layout", cache.root.parent, 1000.0, store)
-        row = {"s3_gib_s": round(timed(lambda: load_layout(entry, device, options, cache), manifest.total_bytes,
-                                       device), 2)}
-        row["disk_cache_gib_s"] = round(timed(lambda: load_layout(entry, device, options, cache),
-                                              manifest.total_bytes, device), 2)
+        load = prepared_load(entry, device, options, cache)
+        row = {"s3_gib_s": round(timed(load, manifest.total_bytes, device), 2)}
+        row["disk_cache_gib_s"] = round(timed(load, manifest.total_bytes, device), 2)
     finally:
         server.stop()
         shutil.rmtree(layout, ignore_errors=True)
@@ -241,22 +250,27 @@ def bench_shape(shape: str, args, work: Path) -> dict:
     if result["limit_h2d_gib_s"] is not None:
         result["limit_h2d_gib_s"] = round(result["limit_h2d_gib_s"], 2)
         print(f"  {'limit_h2d':<16} {result['limit_h2d_gib_s']}", flush=True)
-    result["loader"] = warm_and_cold("loader", lambda: load_layout(layout, device, options), files, nbytes, device,
+    made = time.perf_counter()
+    load = prepared_load(layout, device, options)
+    made = time.perf_counter() - made
+    result["loader"] = warm_and_cold("loader", load, files, nbytes, device,
                                      args.repeat, cold)
+    result["loader"]["made_s"] = round(made, 4)  # reading the manifest and allocating the buffer, not timed above
+    del load
     host = dataclasses.replace(options, verify_on_device=False)
     name = f"loader_host_{DEFAULT_HASH}"
-    result[name] = warm_and_cold(name, lambda: load_layout(layout, device, host), files, nbytes, device, args.repeat,
+    result[name] = warm_and_cold(name, prepared_load(layout, device, host), files, nbytes, device, args.repeat,
                                  False)
     if device == "cuda":
-        result["loader_driver"] = warm_and_cold("loader_driver", lambda: load_layout_driver(layout, options), files,
+        result["loader_driver"] = warm_and_cold("loader_driver", prepared_driver_load(layout, options), files,
                                                 nbytes, device, args.repeat, False)
     windows = dataclasses.replace(host, hash_window_bytes=MiB)  # each piece read and hashed 1 MiB at a time
-    result["loader_hash_windows"] = warm_and_cold("loader_hash_windows", lambda: load_layout(
+    result["loader_hash_windows"] = warm_and_cold("loader_hash_windows", prepared_load(
         layout, device, windows), files, nbytes, device, args.repeat, False)
     if args.sweep:
         result["sweep"] = sweep(layout, files, nbytes, device, args.repeat)
     unverified = dataclasses.replace(options, verify=False)
-    result["loader_nohash"] = warm_and_cold("loader_nohash", lambda: load_layout(layout, device, unverified), files,
+    result["loader_nohash"] = warm_and_cold("loader_nohash", prepared_load(layout, device, unverified), files,
                                             nbytes, device, args.repeat, False)
     result["safetensors"] = warm_and_cold("safetensors", lambda: load_safetensors(model_dir, device), st_files,
                                           st_bytes, device, args.repeat, cold)
@@ -271,7 +285,7 @@ def bench_shape(shape: str, args, work: Path) -> dict:
         write_layout(str(model_dir), str(other), dtype="bfloat16", hash=hash, progress=False)
         settle()
         other_files = [other / f.name for f in manifest.files]
-        result[f"loader_host_{hash}"] = warm_and_cold(f"loader_host_{hash}", lambda: load_layout(other, device, host),
+        result[f"loader_host_{hash}"] = warm_and_cold(f"loader_host_{hash}", prepared_load(other, device, host),
                                                       other_files, nbytes, device, args.repeat, cold)
         shutil.rmtree(other)
     if args.cleanup:
