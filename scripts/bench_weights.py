@@ -64,7 +64,7 @@ def drop_caches() -> bool:
 
 def settle() -> None:
     """Write back what building the models and layouts left dirty in the page cache: while the kernel writes
-    GiBs back, loads measured beside it ran at 55-65% of the read limit on the H100 machine (eleventh session)."""
+    GiBs back, loads measured beside it ran at 55-66% of the read limit on the H100 machine (eleventh session)."""
     t = time.perf_counter()
     os.sync()
     print(f"  (sync: {time.perf_counter() - t:.1f}s)", flush=True)
@@ -250,13 +250,11 @@ def bench_shape(shape: str, args, work: Path) -> dict:
     if result["limit_h2d_gib_s"] is not None:
         result["limit_h2d_gib_s"] = round(result["limit_h2d_gib_s"], 2)
         print(f"  {'limit_h2d':<16} {result['limit_h2d_gib_s']}", flush=True)
-    made = time.perf_counter()
+    t = time.perf_counter()
     load = prepared_load(layout, device, options)
-    made = time.perf_counter() - made
-    result["loader"] = warm_and_cold("loader", load, files, nbytes, device,
-                                     args.repeat, cold)
-    result["loader"]["made_s"] = round(made, 4)  # reading the manifest and allocating the buffer, not timed above
-    del load
+    made_s = round(time.perf_counter() - t, 4)  # reading the manifest and allocating the buffer: not timed below
+    result["loader"] = warm_and_cold("loader", load, files, nbytes, device, args.repeat, cold) | {"made_s": made_s}
+    del load  # its weight buffer
     host = dataclasses.replace(options, verify_on_device=False)
     name = f"loader_host_{DEFAULT_HASH}"
     result[name] = warm_and_cold(name, prepared_load(layout, device, host), files, nbytes, device, args.repeat,
