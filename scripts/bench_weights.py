@@ -1,13 +1,14 @@
 """Weight loading bandwidth: this loader beside the usual ways and beside the machine's limits, in one run.
 
 For each shape (a random-weight model of a real shape, scripts/model_shapes.py), GiB/s of:
-  limit_read      the layout files read in parallel (16 threads, 64 MiB preadv) and thrown away
+  limit_read      the layout files read in parallel (16 threads, 64 MiB preadv) and thrown away; measured in
+                  turns with `loader` (limit, loader, limit, ...), so their ratio compares the same moments
   limit_h2d       pinned host memory -> GPU, 256 MiB copies (GPU only)
   loader          runtime/weights/loader.py into the engine's flat buffer, as the engine runs it: on a GPU
                   each chunk checked there once it lands (device checksums), on CPU hashed on the host.
                   Timed like the engine's weights stage, from the load call until every chunk is verified;
                   the LayoutLoader (its manifest read) and the buffer are made before, as in the engine
-                  (their time, once: `made_s`)
+                  (their time, once: `made_s`; it includes starting the reader threads)
   loader_host_xxh3-128  the same with the chunks hashed on the host (LoaderOptions.verify_on_device=False),
                   each whole piece after it is read; loader_hash_windows hashing 1 MiB windows as they are read
   loader_nohash   the same without verification: what verifying costs (page cache only)
@@ -183,6 +184,28 @@ def warm_and_cold(name: str, fn, files: list[Path], nbytes: int, device: str, re
     return row
 
 
+def in_turns(fns: dict, files: list[Path], nbytes: int, device: str, repeat: int, cold: bool) -> dict[str, dict]:
+    """As warm_and_cold, for several modes measured in turns (a, b, a, b, ...): the read limit moved by 10-20%
+    between blocks of runs on the H100 machine, and a ratio of two modes taken in different blocks moved with
+    it. Also the median of the per-round ratios of each mode to the first."""
+    read_files(files)
+    for fn in fns.values():
+        fn()
+    runs: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            runs[name].append(timed(fn, nbytes, device))
+    first = next(iter(runs.values()))
+    rows = {name: {"warm_gib_s": round(statistics.median(xs), 2), "warm_runs": [round(x, 2) for x in xs],
+                   "of_first_in_turn": round(statistics.median(x / f for x, f in zip(xs, first)), 3)}
+            for name, xs in runs.items()}
+    for name, fn in fns.items():
+        if cold and drop_caches():
+            rows[name]["cold_gib_s"] = round(timed(fn, nbytes, device), 2)
+        print(f"  {name:<16} {rows[name]}", flush=True)
+    return rows
+
+
 def bench_s3(model_dir: Path, device: str, options: LoaderOptions, work: Path, file_mb: int) -> dict:
     """moto's server reads an object's whole value, under a lock, for every ranged GET, so a GET costs the
     object's size: the S3 copy of the layout is built with small files (`--s3-file-mb`) for this row to finish
@@ -243,17 +266,16 @@ def bench_shape(shape: str, args, work: Path) -> dict:
         options = dataclasses.replace(options, read_bytes=args.read_mb * MiB)
     print(f"{shape}: {nbytes / GiB:.2f} GiB in {len(files)} files", flush=True)
     cold = not args.no_cold
-    result = {"shape": shape, "bytes": nbytes, "files": len(files),
-              "limit_read": warm_and_cold("limit_read", lambda: read_files(files), files, nbytes, device,
-                                          args.repeat, cold),
-              "limit_h2d_gib_s": h2d_limit(device)}
+    result = {"shape": shape, "bytes": nbytes, "files": len(files), "limit_h2d_gib_s": h2d_limit(device)}
     if result["limit_h2d_gib_s"] is not None:
         result["limit_h2d_gib_s"] = round(result["limit_h2d_gib_s"], 2)
         print(f"  {'limit_h2d':<16} {result['limit_h2d_gib_s']}", flush=True)
     t = time.perf_counter()
     load = prepared_load(layout, device, options)
-    made_s = round(time.perf_counter() - t, 4)  # reading the manifest and allocating the buffer: not timed below
-    result["loader"] = warm_and_cold("loader", load, files, nbytes, device, args.repeat, cold) | {"made_s": made_s}
+    made_s = round(time.perf_counter() - t, 4)  # the manifest read, readers started, buffer allocated: not timed
+    result |= in_turns({"limit_read": lambda: read_files(files), "loader": load}, files, nbytes, device,
+                       args.repeat, cold)
+    result["loader"]["made_s"] = made_s
     del load  # its weight buffer
     host = dataclasses.replace(options, verify_on_device=False)
     name = f"loader_host_{DEFAULT_HASH}"
@@ -296,7 +318,7 @@ def table(results: list[dict]) -> str:
     by_hash = [f"loader_host_{h}" for h in HASHES]
     rows = [f"{'shape':<12} {'GiB':>6} | {'read lim':>14} {'h2d lim':>7} | {'loader':>12} | "
             + " ".join(f"{'host ' + h:>12}" for h in HASHES) + f" {'window':>6} {'no hash':>7} | {'safetensors':>14} "
-            f"{'transformers':>12} | {'s3':>6} {'s3->cache':>9} | {'loader/limit':>12}"]
+            f"{'transformers':>12} | {'s3':>6} {'s3->cache':>9} | {'loader/limit':>12} {'per round':>9}"]
 
     def wc(row: dict | None) -> str:
         if not row:
@@ -312,12 +334,13 @@ def table(results: list[dict]) -> str:
                     + f" {r['loader_hash_windows']['warm_gib_s']:>6} {r['loader_nohash']['warm_gib_s']:>7} | "
                     f"{wc(r['safetensors']):>14} "
                     f"{wc(r.get('transformers')):>12} | {s3.get('s3_gib_s', '-'):>6} "
-                    f"{s3.get('disk_cache_gib_s', '-'):>9} | {r['loader']['warm_gib_s'] / limit:12.0%}")
+                    f"{s3.get('disk_cache_gib_s', '-'):>9} | {r['loader']['warm_gib_s'] / limit:12.0%} "
+                    f"{r['loader']['of_first_in_turn']:9.0%}")
     return "\n".join(rows) + (
         "\n(GiB/s, warm page cache / cold disk. loader: as the engine runs it (on a GPU, checked there); host: "
         "hashed on the host with each chunk hash, piece by piece; window: host "
         f"{DEFAULT_HASH} in 1 MiB windows as each piece is read; no hash: unverified (warm); loader/limit: warm "
-        "loader against min(read, h2d))")
+        "loader against min(read, h2d); per round: median of loader/read over the rounds taken in turns)")
 
 
 def main() -> None:

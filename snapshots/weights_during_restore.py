@@ -79,8 +79,9 @@ def stream_for_handover(layout_dir: Path, channel: socket.socket) -> None:
 
 
 def _stream(layout_dir: Path) -> tuple["ExportableMemory", StreamReport]:
-    from runtime.weights.loader import LoaderOptions, WeightStream
+    from runtime.weights.loader import LoaderOptions, WeightStream, readers_for
     from runtime.weights.manifest import Manifest, is_layout
+    from runtime.weights.readers import READERS
     from runtime.weights.sinks import DriverSink
     from runtime.weights.sources import LocalFile
 
@@ -90,6 +91,7 @@ def _stream(layout_dir: Path) -> tuple["ExportableMemory", StreamReport]:
     missing = [f.name for f in manifest.files if not (layout_dir / f.name).is_file()]
     if missing:
         raise ValueError(f"{len(missing)} weight files are not on local disk (e.g. {missing[0]})")
+    READERS.start(readers_for(manifest, LoaderOptions()))  # while none runs: before the CUDA context
     started = time.time()
     memory = ExportableMemory(manifest.plan.total_bytes)
     context_s = time.time() - started

@@ -5,6 +5,7 @@ import hashlib
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import blake3
@@ -20,6 +21,7 @@ from runtime.weights.hf_dir import hf_dir_loader
 from runtime.weights.layout import write_layout
 from runtime.weights.loader import LoaderOptions, LayoutLoader
 from runtime.weights.manifest import HASHES, Manifest
+from runtime.weights.readers import ReaderPool
 from snapshots.build import BuildError, parse_args
 from tests.weights_helpers import cpu_settings, greedy, start
 
@@ -55,6 +57,37 @@ def test_layout_bytes_are_the_engine_weight_buffer(tiny_model, local_layout):
     data = (local_layout / t.file).read_bytes()[t.offset:t.offset + t.length]
     ref = load_file(Path(tiny_model("tiny-llama")) / "model.safetensors")["model.layers.1.mlp.down_proj.weight"]
     assert data == ref.float().contiguous().numpy().tobytes()
+
+
+def _reader_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith("weights-reader-")}
+
+
+def test_readers_are_started_with_the_loader_and_kept_for_the_next_load(tiny_model, local_layout):
+    plan = plan_weights(ModelConfig.from_dir(local_layout), "float32")
+    expected = torch.zeros(plan.total_bytes, dtype=torch.uint8)
+    hf_dir_loader(Path(tiny_model("tiny-llama")))(plan, expected).wait()
+    load = LayoutLoader(local_layout, LoaderOptions(threads=3, read_bytes=20_000))
+    started = _reader_threads()
+    assert len(started) >= 3
+    buffers = [torch.zeros(plan.total_bytes, dtype=torch.uint8) for _ in range(2)]
+    for stream in [load(plan, b) for b in buffers]:  # two in flight at once
+        stream.wait()
+    assert all(torch.equal(b, expected) for b in buffers)
+    kept = _reader_threads()
+    assert started <= kept
+    load(plan, buffers[0]).wait()  # the threads are idle again: this load starts none
+    assert _reader_threads() == kept
+
+
+def test_a_second_run_of_readers_never_waits_behind_the_first():
+    pool = ReaderPool("test-reader")
+    everyone = threading.Barrier(5, timeout=10)  # passes only if all five jobs run at the same time
+    first, second = pool.run(everyone.wait, 3), pool.run(everyone.wait, 2)
+    assert first.wait(10) and second.wait(10)
+    assert pool.size == 5
+    pool.run(lambda: None, 5).wait(10)
+    assert pool.size == 5  # idle threads are reused
 
 
 def test_wait_tensor_gives_each_tensor_before_the_whole_load_is_waited_for(tiny_model, local_layout):

@@ -1,9 +1,10 @@
 """The pipelined loader of a faas-build layout: an engine `LoadWeights` that returns at once.
 
-Reader threads take the work in buffer order: `read_bytes` pieces (preadv from disk, or ranged GETs from
-S3), each read into the reader's own ring of pinned host buffers and copied to the GPU on its own side
-stream; a slot is reused only once its copy's event has completed. On CPU the pieces are read straight into
-the weight buffer (no pinned memory, no stream, no copy).
+Reader threads (runtime/weights/readers.py: kept for the process, started when the loader is made) take the
+work in buffer order: `read_bytes` pieces (preadv from disk, or ranged GETs from S3), each read into the
+reader's own ring of pinned host buffers and copied to the GPU on its own side stream; a slot is reused only
+once its copy's event has completed. On CPU the pieces are read straight into the weight buffer (no pinned
+memory, no stream, no copy).
 
 Every chunk is verified before `wait()` returns. From local files into a CUDA buffer the GPU does it: once a
 file's chunks have landed, a kernel computes their device checksums (runtime/weights/device_checksum.py), so
@@ -35,6 +36,7 @@ from runtime.timeline import Timeline
 from runtime.weights.cache import DiskCache
 from runtime.weights.errors import WeightsError
 from runtime.weights.manifest import FileEntry, Manifest, chunk_hasher
+from runtime.weights.readers import READERS
 from runtime.weights.s3 import S3Store
 
 if TYPE_CHECKING:
@@ -99,6 +101,11 @@ def layout_chunks(manifest: Manifest) -> list[Chunk]:
             for i, f in enumerate(manifest.files) for j, (off, n) in enumerate(f.chunks())]
 
 
+def readers_for(manifest: Manifest, options: LoaderOptions) -> int:
+    """How many reader threads a load of local files takes."""
+    return options.reader_threads(sum(-(-n // options.read_bytes) for f in manifest.files for _, n in f.chunks()))
+
+
 def check_plan(manifest: Manifest, plan: WeightPlan, where: str) -> None:
     if manifest.dtype != plan.dtype:
         raise WeightsError(f"{where}: the layout holds {manifest.dtype} weights, the engine wants {plan.dtype} "
@@ -130,12 +137,9 @@ class WeightStream:
         self._error: BaseException | None = None
         self._stats: dict[str, TierStats] = {}
         self._lock = threading.Lock()
-        self._threads = [threading.Thread(target=self._reader, name=f"weights-reader-{i}", daemon=True)
-                         for i in range(options.reader_threads(self._todo.qsize()))]
         self._finished = False
         self.started = time.time()
-        for t in self._threads:
-            t.start()
+        self._readers = READERS.run(self._reader, options.reader_threads(self._todo.qsize()))
 
     def _queue_work(self) -> list[int]:
         """Queue the work in buffer order and return each chunk's number of pieces. A chunk hashed on the host
@@ -172,8 +176,7 @@ class WeightStream:
             self.sink.wait_copies(self._copied[i])
 
     def wait(self) -> "WeightStream":
-        for t in self._threads:
-            t.join()
+        self._readers.wait()
         if self._finished:
             self._raise_if_failed()
             return self
@@ -294,6 +297,7 @@ class LayoutLoader:
         self.layout_dir = Path(layout_dir)
         self.manifest = Manifest.read(self.layout_dir)
         self.options = options or LoaderOptions()
+        READERS.start(readers_for(self.manifest, self.options))  # off the load's path
         self.timeline = timeline
         self.cache = cache
         self.store = store
