@@ -31,8 +31,10 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PATH=/opt/thawllm/venv/bin:$PATH \
     CACHE_DIR=/tmp/thawllm \
     TRITON_CACHE_DIR=/opt/thawllm/baked/triton
+# gcc: the install compiles the loader's native reader (runtime/weights/native_reader.c), and Triton compiles
+# its launcher while faas-build bakes the kernels
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates \
+    && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
 
 # criu 4.x (3.x, what Debian bookworm packages, fails on recent kernels): scripts/install_criu.sh takes apt's

@@ -8,7 +8,9 @@ For each shape (a random-weight model of a real shape, scripts/model_shapes.py),
                   each chunk checked there once it lands (device checksums), on CPU hashed on the host.
                   Timed like the engine's weights stage, from the load call until every chunk is verified;
                   the LayoutLoader (its manifest read) and the buffer are made before, as in the engine
-                  (their time, once: `made_s`; it includes starting the reader threads)
+                  (their time, once: `made_s`; it includes starting the reader threads). Pieces are read
+                  by the native reader (runtime/weights/native_reader.c) where it was built
+  loader_python   the same with every piece read from Python (LoaderOptions.native=False), in the same turns
   loader_host_xxh3-128  the same with the chunks hashed on the host (LoaderOptions.verify_on_device=False),
                   each whole piece after it is read; loader_hash_windows hashing 1 MiB windows as they are read
   loader_nohash   the same without verification: what verifying costs (page cache only)
@@ -273,10 +275,11 @@ def bench_shape(shape: str, args, work: Path) -> dict:
     t = time.perf_counter()
     load = prepared_load(layout, device, options)
     made_s = round(time.perf_counter() - t, 4)  # the manifest read, readers started, buffer allocated: not timed
-    result |= in_turns({"limit_read": lambda: read_files(files), "loader": load}, files, nbytes, device,
-                       args.repeat, cold)
+    from_python = prepared_load(layout, device, dataclasses.replace(options, native=False))
+    result |= in_turns({"limit_read": lambda: read_files(files), "loader": load, "loader_python": from_python},
+                       files, nbytes, device, args.repeat, cold)
     result["loader"]["made_s"] = made_s
-    del load  # its weight buffer
+    del load, from_python  # their weight buffers
     host = dataclasses.replace(options, verify_on_device=False)
     name = f"loader_host_{DEFAULT_HASH}"
     result[name] = warm_and_cold(name, prepared_load(layout, device, host), files, nbytes, device, args.repeat,
@@ -316,7 +319,7 @@ def bench_shape(shape: str, args, work: Path) -> dict:
 
 def table(results: list[dict]) -> str:
     by_hash = [f"loader_host_{h}" for h in HASHES]
-    rows = [f"{'shape':<12} {'GiB':>6} | {'read lim':>14} {'h2d lim':>7} | {'loader':>12} | "
+    rows = [f"{'shape':<12} {'GiB':>6} | {'read lim':>14} {'h2d lim':>7} | {'loader':>12} {'python':>12} | "
             + " ".join(f"{'host ' + h:>12}" for h in HASHES) + f" {'window':>6} {'no hash':>7} | {'safetensors':>14} "
             f"{'transformers':>12} | {'s3':>6} {'s3->cache':>9} | {'loader/limit':>12} {'per round':>9}"]
 
@@ -329,7 +332,7 @@ def table(results: list[dict]) -> str:
         limit = min(x for x in (r["limit_read"]["warm_gib_s"], r["limit_h2d_gib_s"]) if x)
         s3 = r.get("loader_s3", {})
         rows.append(f"{r['shape']:<12} {r['bytes'] / GiB:6.2f} | {wc(r['limit_read']):>14} "
-                    f"{r['limit_h2d_gib_s'] or '-':>7} | {wc(r['loader']):>12} | "
+                    f"{r['limit_h2d_gib_s'] or '-':>7} | {wc(r['loader']):>12} {wc(r.get('loader_python')):>12} | "
                     + " ".join(f"{wc(r.get(k)):>12}" for k in by_hash)
                     + f" {r['loader_hash_windows']['warm_gib_s']:>6} {r['loader_nohash']['warm_gib_s']:>7} | "
                     f"{wc(r['safetensors']):>14} "
@@ -337,7 +340,8 @@ def table(results: list[dict]) -> str:
                     f"{s3.get('disk_cache_gib_s', '-'):>9} | {r['loader']['warm_gib_s'] / limit:12.0%} "
                     f"{r['loader']['of_first_in_turn']:9.0%}")
     return "\n".join(rows) + (
-        "\n(GiB/s, warm page cache / cold disk. loader: as the engine runs it (on a GPU, checked there); host: "
+        "\n(GiB/s, warm page cache / cold disk. loader: as the engine runs it (on a GPU, checked there); python: "
+        "the same, read from Python; host: "
         "hashed on the host with each chunk hash, piece by piece; window: host "
         f"{DEFAULT_HASH} in 1 MiB windows as each piece is read; no hash: unverified (warm); loader/limit: warm "
         "loader against min(read, h2d); per round: median of loader/read over the rounds taken in turns)")

@@ -3,6 +3,7 @@ weight buffer, greedy text is unchanged, corruption is caught, a failed build le
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -21,6 +22,7 @@ from runtime.weights.hf_dir import hf_dir_loader
 from runtime.weights.layout import write_layout
 from runtime.weights.loader import LoaderOptions, LayoutLoader
 from runtime.weights.manifest import HASHES, Manifest
+from runtime.weights.native_reader import native
 from runtime.weights.readers import ReaderPool
 from snapshots.build import BuildError, parse_args
 from tests.weights_helpers import cpu_settings, greedy, start
@@ -88,6 +90,24 @@ def test_a_second_run_of_readers_never_waits_behind_the_first():
     assert pool.size == 5
     pool.run(lambda: None, 5).wait(10)
     assert pool.size == 5  # idle threads are reused
+
+
+def test_the_native_reader_reads_the_layout_and_names_a_truncated_file(local_layout, tmp_path):
+    assert native() is not None  # built by the install (scripts/setup.sh makes sure of a C compiler)
+    manifest = Manifest.read(local_layout)
+    expected = b"".join((local_layout / f.name).read_bytes() for f in manifest.files)
+    for reads in ("native", "python"):
+        got = torch.full((manifest.total_bytes,), 7, dtype=torch.uint8)
+        # unverified: on the CPU a verified load hashes every piece on the host, which reads from Python
+        options = LoaderOptions(threads=3, read_bytes=20_000, verify=False, native=reads == "native")
+        assert LayoutLoader(local_layout, options)(manifest.plan, got).wait().reads == reads
+        assert got.numpy().tobytes() == expected
+    short = tmp_path / "short"
+    shutil.copytree(local_layout, short)
+    last = short / manifest.files[-1].name
+    last.write_bytes(last.read_bytes()[:-100])
+    with pytest.raises(WeightsError, match=rf"{last}: truncated \({last.stat().st_size} bytes"):
+        LayoutLoader(short, LoaderOptions(verify=False))(manifest.plan, got).wait()
 
 
 def test_wait_tensor_gives_each_tensor_before_the_whole_load_is_waited_for(tiny_model, local_layout):

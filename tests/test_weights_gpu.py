@@ -15,7 +15,8 @@ from tests.weights_helpers import cpu_settings, greedy, start
 pytestmark = pytest.mark.gpu
 
 
-def test_layout_streams_to_the_gpu_byte_for_byte_and_text_is_unchanged(tiny_model, tmp_path):
+@pytest.mark.parametrize("reads", ["native", "python"])
+def test_layout_streams_to_the_gpu_byte_for_byte_and_text_is_unchanged(tiny_model, tmp_path, reads):
     src = tiny_model("tiny-qwen3")
     layout = tmp_path / "layout"
     write_layout(src, str(layout), dtype="bfloat16", file_bytes=100_000, chunk_bytes=40_000, progress=False)
@@ -23,7 +24,11 @@ def test_layout_streams_to_the_gpu_byte_for_byte_and_text_is_unchanged(tiny_mode
     expected = torch.zeros(plan.total_bytes, dtype=torch.uint8, device="cuda")
     hf_dir_loader(Path(src))(plan, expected).wait()
     got = torch.full((plan.total_bytes,), 3, dtype=torch.uint8, device="cuda")
-    load = LayoutLoader(layout, LoaderOptions(threads=4, read_bytes=16_384, slots_per_thread=2))(plan, got)
+    # each piece crosses the native reader's ring in four slots, wrapping round it twice
+    options = LoaderOptions(threads=4, read_bytes=16_384, slots_per_thread=2, native=reads == "native",
+                            native_slot_bytes=4096)
+    load = LayoutLoader(layout, options)(plan, got)
+    assert load.reads == reads
     first = plan.tensors[0]
     load.wait_tensor(first.name)  # usable on the current stream before the whole load is waited for
     span = slice(first.offset, first.offset + first.nbytes)

@@ -56,6 +56,11 @@ class LoaderOptions:
     # pieces the H100 machine loaded 8B at 22.5 GiB/s, with 16 MiB at 32.4 (docs/benchmarks.md)
     read_bytes: int = 16 * MiB
     slots_per_thread: int = 2  # read the next piece while the last one is copied
+    # Pieces not hashed on the host are read from local files by the native reader where it was built
+    # (runtime/weights/native_reader.py); on a GPU through its own ring of slots_per_thread pinned slots of
+    # native_slot_bytes: small, so that a slot is still in the CPU's cache when the copy engine reads it
+    native: bool = True
+    native_slot_bytes: int = 4 * MiB
     verify: bool = True  # hash every chunk; off only to measure what it costs (scripts/bench_weights.py)
     # From local files into a CUDA buffer, check the chunks on the GPU once they land (device checksums,
     # runtime/weights/device_checksum.py) instead of hashing them on the host; False: always on the host
@@ -132,6 +137,8 @@ class WeightStream:
         self._copied: list[list] = [[] for _ in self.chunks]
         self.device_check = self._device_check()
         self.verified = "off" if not options.verify else "device" if self.device_check else "host"
+        # how the pieces of local files are read: hashed on the host, they pass through Python
+        self.reads = "native" if options.native and sink.native and self.verified != "host" else "python"
         self._todo: queue.SimpleQueue = queue.SimpleQueue()
         self._pieces_left = self._queue_work()
         self._error: BaseException | None = None
@@ -197,7 +204,8 @@ class WeightStream:
     def _reader(self) -> None:
         try:
             slot_bytes = min(self.options.read_bytes, max(c.length for c in self.chunks))
-            writer = self.sink.writer(slot_bytes, self.options.slots_per_thread)
+            writer = self.sink.writer(slot_bytes, self.options.slots_per_thread,
+                                      self.options.native_slot_bytes if self.options.native else 0)
             try:
                 while self._error is None:
                     try:
@@ -222,14 +230,10 @@ class WeightStream:
             n = min(self.options.read_bytes, chunk.length - off)
             nbytes += n
             dst = chunk.buffer_offset + off
-            piece = writer.slot(dst, n)
-            # one read per piece unless it is hashed here: each read hands the GIL back and forth
-            window = min(self.options.hash_window_bytes or n, n) if digest is not None and source.small_reads else n
-            for w in range(0, n, window):
-                part = piece[w:w + window]
-                source.read_into(chunk.offset + off + w, part)
-                digest and digest.update(part)
-            copied = writer.commit(dst, n)
+            if digest is None:
+                copied = writer.read_from(source, chunk.offset + off, dst, n)
+            else:
+                copied = self._read_hashed(source, chunk.offset + off, dst, n, writer, digest)
             if copied is not None:
                 copies.append(copied)
         if digest is not None and digest.hexdigest() != chunk.digest:
@@ -245,6 +249,16 @@ class WeightStream:
         self._landed[i].set()
         if self.device_check is not None:  # usable now; checked with the rest of its file, before wait() returns
             self.device_check.chunk_landed(chunk.file, self._copied[i])
+
+    def _read_hashed(self, source, offset: int, dst: int, n: int, writer: "Writer", digest) -> object | None:
+        piece = writer.slot(dst, n)
+        # one read per piece unless windows are asked for: each read hands the GIL back and forth
+        window = min(self.options.hash_window_bytes or n, n) if source.small_reads else n
+        for w in range(0, n, window):
+            part = piece[w:w + window]
+            source.read_into(offset + w, part)
+            digest.update(part)
+        return writer.commit(dst, n)
 
     def _raise_if_corrupt(self, bad: list[tuple[int, int, str]]) -> None:
         """(file, chunk, check) of each chunk that failed its check."""
@@ -267,13 +281,14 @@ class WeightStream:
         tiers = self.tier_stats()
         seconds = time.time() - self.started
         total = self.manifest.total_bytes
-        log.info("weights: %.2f GiB in %.3fs (%.2f GiB/s, verified: %s) %s", total / 2**30, seconds,
-                 total / max(seconds, 1e-9) / 2**30, self.verified,
+        log.info("weights: %.2f GiB in %.3fs (%.2f GiB/s, verified: %s, reads: %s) %s", total / 2**30, seconds,
+                 total / max(seconds, 1e-9) / 2**30, self.verified, self.reads,
                  " ".join(f"{k}={v['gib_s']}GiB/s" for k, v in tiers.items()))
         stage = self.timeline.get(stages.WEIGHTS) if self.timeline else None
         if stage is not None:
             stage.detail["tiers"] = tiers
             stage.detail["verified"] = self.verified
+            stage.detail["reads"] = self.reads
 
 
 def stream_layout(manifest: Manifest, sources: list, plan: WeightPlan, buffer: "torch.Tensor",

@@ -1,11 +1,14 @@
 """Where the loader's bytes go (runtime/weights/loader.py): the weight buffer in host memory, a torch CUDA
 buffer, or raw device memory through the driver API.
 
-Every reader thread opens its own `Writer`. For each piece it asks `slot(dst, n)` for host memory to read
-into, then `commit(dst, n)`: on the host the slot already is the buffer, on a GPU the piece is copied from a pinned
-slot on the writer's own stream and the returned event marks when it has landed. The driver sink exists for
-the CUDA restore helper, which streams weights while CRIU restores the process and cannot afford to import
-torch (seconds) first (snapshots/weights_during_restore.py).
+Every reader thread opens its own `Writer`. A piece that is not hashed on the host goes in with
+`read_from(source, offset, dst, n)`: from a local file, through the native reader where it was built
+(runtime/weights/native_reader.py; on a GPU through a ring of small pinned slots), else read from Python. A
+piece hashed on the host is read into `slot(dst, n)`, hashed, then `commit(dst, n)`: on the host the slot
+already is the buffer, on a GPU the piece is copied from a pinned slot on the writer's own stream. On a GPU
+the event returned marks when the piece has landed. The driver sink exists for the CUDA restore helper,
+which streams weights while CRIU restores the process and cannot afford to import torch (seconds) first
+(snapshots/weights_during_restore.py).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import os
 from typing import TYPE_CHECKING, Protocol
 
 from runtime.cuda_driver import call
+from runtime.weights.native_reader import Ring, native
 
 if TYPE_CHECKING:
     import torch
@@ -24,15 +28,29 @@ if TYPE_CHECKING:
 
 
 class Writer(Protocol):
+    def read_from(self, source, offset: int, dst: int, n: int) -> object | None: ...
     def slot(self, dst: int, n: int) -> memoryview: ...
     def commit(self, dst: int, n: int) -> object | None: ...
     def close(self) -> None: ...  # returns once every copy this writer made has landed
 
 
 class Sink(Protocol):
-    def writer(self, slot_bytes: int, slots: int) -> Writer: ...
+    native: bool  # local files are read (and on a GPU copied) by the native reader
+
+    def writer(self, slot_bytes: int, slots: int, ring_slot_bytes: int) -> Writer: ...
     def wait_copies(self, events: list) -> None: ...
     def device_check(self, manifest: "Manifest") -> "DeviceCheck | None": ...
+
+
+def check_bounds(dst: int, n: int, size: int) -> None:
+    if dst < 0 or dst + n > size:
+        raise ValueError(f"a write of bytes {dst}-{dst + n} past a {size}-byte buffer")
+
+
+def read_staged(writer: Writer, source, offset: int, dst: int, n: int) -> object | None:
+    """A piece read from Python into the writer's slot, then committed."""
+    source.read_into(offset, writer.slot(dst, n))
+    return writer.commit(dst, n)
 
 
 class HostSink:
@@ -40,9 +58,11 @@ class HostSink:
 
     def __init__(self, buffer: "torch.Tensor") -> None:
         self._host = memoryview(buffer.numpy())
+        self._address = buffer.data_ptr()
+        self.native = native() is not None
 
-    def writer(self, slot_bytes: int, slots: int) -> "_HostWriter":
-        return _HostWriter(self._host)
+    def writer(self, slot_bytes: int, slots: int, ring_slot_bytes: int) -> "_HostWriter":
+        return _HostWriter(self._host, self._address if self.native and ring_slot_bytes else None)
 
     def wait_copies(self, events: list) -> None:
         pass
@@ -52,8 +72,16 @@ class HostSink:
 
 
 class _HostWriter:
-    def __init__(self, host: memoryview) -> None:
+    def __init__(self, host: memoryview, native_address: int | None) -> None:
         self._host = host
+        self._native_address = native_address  # where the native reader writes the buffer; None: from Python
+
+    def read_from(self, source, offset: int, dst: int, n: int) -> None:
+        check_bounds(dst, n, len(self._host))
+        if self._native_address is not None and source.tier == "disk":
+            native().read_into(source, offset, n, self._native_address + dst)
+        else:
+            source.read_into(offset, self._host[dst:dst + n])
 
     def slot(self, dst: int, n: int) -> memoryview:
         return self._host[dst:dst + n]
@@ -93,9 +121,11 @@ class TorchCudaSink:
         self.buffer = buffer
         self._ready = torch.cuda.Event()  # whatever the caller queued on the buffer comes before the copies
         self._ready.record(torch.cuda.current_stream(buffer.device))
+        reader = native()
+        self.native = reader is not None and reader.cuda
 
-    def writer(self, slot_bytes: int, slots: int) -> "_TorchCudaWriter":
-        return _TorchCudaWriter(self, slot_bytes, slots)
+    def writer(self, slot_bytes: int, slots: int, ring_slot_bytes: int) -> "_TorchCudaWriter":
+        return _TorchCudaWriter(self, slot_bytes, slots, ring_slot_bytes if self.native else 0)
 
     def wait_copies(self, events: list) -> None:
         """Make the caller's current stream wait for these copies."""
@@ -117,9 +147,9 @@ class _TorchCudaWriter:
     view, `copy_`, a new `torch.cuda.Event` and a stream context per piece) each piece held the GIL longer: the
     loader was ~5% slower from the page cache on the H100 (docs/benchmarks.md, "Weight loading", tenth
     session). A piece's event, once recorded again, marks a later copy on the same stream, so waiting on it
-    still waits for the piece."""
+    still waits for the piece. The native reader has a ring of its own, of `ring_slot_bytes` slots (0: none)."""
 
-    def __init__(self, sink: TorchCudaSink, slot_bytes: int, slots: int) -> None:
+    def __init__(self, sink: TorchCudaSink, slot_bytes: int, slots: int, ring_slot_bytes: int) -> None:
         import torch
         from cuda.bindings import driver
 
@@ -136,6 +166,27 @@ class _TorchCudaWriter:
         # for 16 readers' 32 MiB rings)
         self._slots: list[list] = [[None, None, torch.cuda.Event(), False] for _ in range(slots)]
         self._turn = 0
+        self._ring_shape = (slots, ring_slot_bytes)
+        self._ring = None  # made on the first piece read natively
+        self._ring_events: list = []
+
+    def read_from(self, source, offset: int, dst: int, n: int) -> object:
+        if not self._ring_shape[1] or source.tier != "disk":
+            return read_staged(self, source, offset, dst, n)
+        check_bounds(dst, n, self._end - self._base)
+        if self._ring is None:
+            self._ring = self._make_ring(*self._ring_shape)
+        native().read_to_device(source, offset, n, self._base + dst, self._ring)
+        return self._ring_events[self._ring.last]
+
+    def _make_ring(self, slots: int, slot_bytes: int) -> Ring:
+        self._ring_memory = self._torch.empty(slots * slot_bytes, dtype=self._torch.uint8, pin_memory=True)
+        self._ring_events = [self._torch.cuda.Event() for _ in range(slots)]
+        for event in self._ring_events:
+            event.record(self._stream)  # torch creates an event's CUevent when it is first recorded
+        base = self._ring_memory.data_ptr()
+        return Ring.over([base + k * slot_bytes for k in range(slots)], [e.cuda_event for e in self._ring_events],
+                         slot_bytes, self._handle)
 
     def slot(self, dst: int, n: int) -> memoryview:
         slot = self._slots[self._turn % len(self._slots)]
@@ -149,8 +200,7 @@ class _TorchCudaWriter:
     def commit(self, dst: int, n: int) -> object:
         slot = self._slots[self._turn % len(self._slots)]
         self._turn += 1
-        if self._base + dst + n > self._end:
-            raise ValueError(f"a write of bytes {dst}-{dst + n} past a {self._end - self._base}-byte buffer")
+        check_bounds(dst, n, self._end - self._base)
         call(self._d.cuMemcpyHtoDAsync(self._base + dst, slot[0].data_ptr(), n, self._handle), "cuMemcpyHtoDAsync")
         slot[2].record(self._stream)
         slot[3] = True
@@ -163,6 +213,8 @@ class _TorchCudaWriter:
         for slot in self._slots:
             if slot[3]:
                 slot[2].synchronize()
+        for event in self._ring_events:
+            event.synchronize()
 
 
 class DriverSink:
@@ -170,12 +222,14 @@ class DriverSink:
     torch). `commit` returns no event: the owner waits for the whole load (each writer's close() drains its
     stream)."""
 
+    native = False  # the helper hashes every piece on the host (no device checksums without torch): staged
+
     def __init__(self, ptr: int, nbytes: int, context) -> None:
         self.ptr = ptr
         self.nbytes = nbytes
         self.context = context
 
-    def writer(self, slot_bytes: int, slots: int) -> "_DriverWriter":
+    def writer(self, slot_bytes: int, slots: int, ring_slot_bytes: int) -> "_DriverWriter":
         return _DriverWriter(self, slot_bytes, slots)
 
     def wait_copies(self, events: list) -> None:
@@ -201,6 +255,9 @@ class _DriverWriter:
                         [False]) for k in range(slots)]
         self._turn = 0
 
+    def read_from(self, source, offset: int, dst: int, n: int) -> None:
+        return read_staged(self, source, offset, dst, n)
+
     def slot(self, dst: int, n: int) -> memoryview:
         _, view, event, pending = self._slots[self._turn % len(self._slots)]
         if pending[0]:
@@ -209,8 +266,7 @@ class _DriverWriter:
 
     def commit(self, dst: int, n: int) -> None:
         d = self._d
-        if dst + n > self._sink.nbytes:
-            raise ValueError(f"a write of bytes {dst}-{dst + n} past a {self._sink.nbytes}-byte buffer")
+        check_bounds(dst, n, self._sink.nbytes)
         host, _, event, pending = self._slots[self._turn % len(self._slots)]
         self._turn += 1
         call(d.cuMemcpyHtoDAsync(self._sink.ptr + dst, host, n, self._stream), "cuMemcpyHtoDAsync")

@@ -21,14 +21,14 @@ class LocalFile:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._fd = os.open(path, os.O_RDONLY)
-        size = os.fstat(self._fd).st_size
+        self.fd = os.open(path, os.O_RDONLY)
+        size = os.fstat(self.fd).st_size
         self.size = size
 
     def read_into(self, offset: int, out: memoryview) -> None:
         got = 0
         while got < len(out):
-            n = os.preadv(self._fd, [out[got:]], offset + got)
+            n = os.preadv(self.fd, [out[got:]], offset + got)
             if n == 0:
                 raise WeightsError(f"{self.path}: truncated ({self.size} bytes, needed {offset + len(out)})")
             got += n
@@ -37,7 +37,7 @@ class LocalFile:
         pass
 
     def close(self, ok: bool) -> None:
-        os.close(self._fd)
+        os.close(self.fd)
 
 
 class S3File:
