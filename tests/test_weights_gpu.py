@@ -119,3 +119,31 @@ def test_a_layout_without_device_checksums_is_verified_on_the_host(tiny_model, t
     buffer = torch.zeros(manifest.total_bytes, dtype=torch.uint8, device="cuda")
     assert LayoutLoader(layout)(manifest.plan, buffer).wait().verified == "host"
     assert buffer.cpu().numpy().tobytes() == b"".join((layout / f.name).read_bytes() for f in manifest.files)
+
+
+def test_device_checks_run_group_by_group_in_any_order_and_name_the_damaged_chunk(tiny_model, tmp_path):
+    import random
+
+    from runtime.weights.device_checksum import DeviceCheck
+    from runtime.weights.manifest import Manifest
+
+    layout = tmp_path / "layout"
+    write_layout(tiny_model("tiny-qwen3"), str(layout), dtype="bfloat16", file_bytes=100_000, chunk_bytes=16_384,
+                 progress=False)
+    manifest = Manifest.read(layout)
+    data = b"".join((layout / f.name).read_bytes() for f in manifest.files)
+    where = [(f, j) for f, entry in enumerate(manifest.files) for j in range(len(entry.chunks()))]
+    file, j = where[len(where) // 2]
+    damaged = bytearray(data)
+    damaged[manifest.files[file].buffer_offset + manifest.files[file].chunks()[j][0] + 5] ^= 0x10
+    for content, expected in ((data, []), (bytes(damaged), [(file, j)])):
+        buffer = torch.frombuffer(bytearray(content), dtype=torch.uint8).cuda()
+        check = DeviceCheck(manifest, buffer, group_bytes=40_000)  # two chunks a group
+        order = list(range(len(where)))
+        random.Random(1).shuffle(order)
+        for chunk in order[:-1]:
+            check.chunk_landed(chunk, [])
+        with pytest.raises(RuntimeError, match="never checked"):
+            check.mismatches()
+        check.chunk_landed(order[-1], [])
+        assert check.mismatches() == expected

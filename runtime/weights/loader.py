@@ -7,7 +7,7 @@ once its copy's event has completed. On CPU the pieces are read straight into th
 memory, no stream, no copy).
 
 Every chunk is verified before `wait()` returns. From local files into a CUDA buffer the GPU does it: once a
-file's chunks have landed, a kernel computes their device checksums (runtime/weights/device_checksum.py), so
+group's chunks have landed, a kernel computes their device checksums (runtime/weights/device_checksum.py), so
 the host reads each byte once. Otherwise (S3, the CPU, the torch-free restore helper, layouts without device
 checksums) the readers hash each piece as it lands (xxhash, blake3 and hashlib release the GIL on large
 buffers, so hashing scales with the readers). A chunk that fails its check fails the load with an error
@@ -239,7 +239,9 @@ class WeightStream:
         if digest is not None and digest.hexdigest() != chunk.digest:
             self._raise_if_corrupt([(chunk.file, chunk.index, self.manifest.hash)])
         with self._lock:
-            self._copied[i] += copies
+            for event in copies:  # a writer records its events again for later pieces: each is waited on once
+                if not any(event is seen for seen in self._copied[i]):
+                    self._copied[i].append(event)
             self._pieces_left[i] -= len(offsets)
             landed = self._pieces_left[i] == 0
             self._stats.setdefault(source.tier, TierStats()).add(nbytes, start, time.time())
@@ -247,8 +249,8 @@ class WeightStream:
             return
         source.chunk_verified(chunk.index)
         self._landed[i].set()
-        if self.device_check is not None:  # usable now; checked with the rest of its file, before wait() returns
-            self.device_check.chunk_landed(chunk.file, self._copied[i])
+        if self.device_check is not None:  # usable now; checked with its group, before wait() returns
+            self.device_check.chunk_landed(i, self._copied[i])
 
     def _read_hashed(self, source, offset: int, dst: int, n: int, writer: "Writer", digest) -> object | None:
         piece = writer.slot(dst, n)
