@@ -137,8 +137,9 @@ class WeightStream:
         self._copied: list[list] = [[] for _ in self.chunks]
         self.device_check = self._device_check()
         self.verified = "off" if not options.verify else "device" if self.device_check else "host"
-        # how the pieces of local files are read: hashed on the host, they pass through Python
-        self.reads = "native" if options.native and sink.native and self.verified != "host" else "python"
+        # how pieces are read: those hashed on the host, and S3's, pass through Python
+        native = options.native and sink.native and self.verified != "host"
+        self.reads = "native" if native and any(s.tier == "disk" for s in sources) else "python"
         self._todo: queue.SimpleQueue = queue.SimpleQueue()
         self._pieces_left = self._queue_work()
         self._error: BaseException | None = None
