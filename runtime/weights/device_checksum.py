@@ -97,12 +97,18 @@ def device_chunk_sums(buffer: "torch.Tensor", spans: list[tuple[int, int]]) -> "
         # from pinned memory, so the copy is queued: one from pageable memory would wait for the stream,
         # which waits for the file's weight copies, and stall the reader thread that launched it
         table = table.pin_memory().to(buffer.device, non_blocking=True)
-    starts, lengths = table[:len(spans)], table[len(spans):]
     out = torch.empty((len(spans), PARTS), dtype=torch.int64, device=buffer.device)
+    launch_chunk_sums(buffer, table[:len(spans)], table[len(spans):], out)
+    return out
+
+
+def launch_chunk_sums(buffer: "torch.Tensor", starts: "torch.Tensor", lengths: "torch.Tensor",
+                      out: "torch.Tensor") -> None:
+    """The kernel over the chunks at `starts`/`lengths` (int64 tensors on the buffer's device), into `out`
+    ([chunks, PARTS]), on the current stream."""
     from runtime.weights.checksum_kernel import chunk_sums  # Triton: imported only where weights land on a GPU
 
-    chunk_sums[(len(spans), PARTS)](buffer, starts, lengths, out, PARTS=PARTS, BLOCK=BLOCK)
-    return out
+    chunk_sums[(len(starts), PARTS)](buffer, starts, lengths, out, PARTS=PARTS, BLOCK=BLOCK)
 
 
 def add_partials(partials: np.ndarray) -> list[str]:
@@ -168,14 +174,11 @@ class DeviceCheck:
                 return
             import torch
 
-            from runtime.weights.checksum_kernel import chunk_sums  # Triton: only where weights land on a GPU
-
             for event in self._events[g]:
                 self._stream.wait_event(event)
             a, b = self._range[g]
             with torch.cuda.stream(self._stream):
-                chunk_sums[(b - a, PARTS)](self.buffer, self._starts[a:b], self._lengths[a:b], self._partials[a:b],
-                                           PARTS=PARTS, BLOCK=BLOCK)
+                launch_chunk_sums(self.buffer, self._starts[a:b], self._lengths[a:b], self._partials[a:b])
 
     def mismatches(self) -> list[tuple[int, int]]:
         """(file, chunk) of every chunk whose checksum differs from the manifest's."""

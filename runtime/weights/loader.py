@@ -52,8 +52,9 @@ MiB = 1 << 20
 @dataclass(frozen=True)
 class LoaderOptions:
     threads: int = 0  # 0: one per core, at most 16
-    # one preadv / ranged GET; one pinned slot. Each piece costs a few hand-overs of the GIL: with 8 MiB
-    # pieces the H100 machine loaded 8B at 22.5 GiB/s, with 16 MiB at 32.4 (docs/benchmarks.md)
+    # a piece: one work item; from Python one preadv / ranged GET into one pinned slot. Each costs a few
+    # hand-overs of the GIL: with 8 MiB pieces the H100 machine loaded 8B at 22.5 GiB/s, with 16 MiB at 32.4
+    # (docs/benchmarks.md). The native reader takes a piece in one call, in native_slot_bytes steps
     read_bytes: int = 16 * MiB
     slots_per_thread: int = 2  # read the next piece while the last one is copied
     # Pieces not hashed on the host are read from local files by the native reader where it was built
