@@ -22,7 +22,8 @@ For each shape (a random-weight model of a real shape, scripts/model_shapes.py),
   loader_driver   the loader through the driver API with no torch (DriverSink), as the CUDA restore helper
                   streams a gpu snapshot's weights during the restore (GPU only)
   --sweep         the loader (verified) over a grid of reader threads x read size x pinned slots per reader
-each from the page cache (warm) and, as root, from cold disk (echo 3 > /proc/sys/vm/drop_caches first).
+each from the page cache (warm) and, as root, from cold disk (echo 3 > /proc/sys/vm/drop_caches first; the
+read limit and the loaders in --cold-repeat rounds in turns, the others once).
 Prints a table and writes JSON to --out.
 
     python scripts/bench_weights.py --shapes qwen2-1.5b llama-3-8b --out /tmp/bench-weights.json
@@ -186,26 +187,40 @@ def warm_and_cold(name: str, fn, files: list[Path], nbytes: int, device: str, re
     return row
 
 
-def in_turns(fns: dict, files: list[Path], nbytes: int, device: str, repeat: int, cold: bool) -> dict[str, dict]:
+def in_turns(fns: dict, files: list[Path], nbytes: int, device: str, repeat: int, cold_repeat: int) -> dict[str, dict]:
     """As warm_and_cold, for several modes measured in turns (a, b, a, b, ...): the read limit moved by 10-20%
     between blocks of runs on the H100 machine, and a ratio of two modes taken in different blocks moved with
-    it. Also the median of the per-round ratios of each mode to the first."""
+    it. Cold runs (page cache dropped before each) are taken in turns too, `cold_repeat` rounds. Also the median
+    of the per-round ratios of each mode to the first."""
     read_files(files)
     for fn in fns.values():
         fn()
-    runs: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeat):
-        for name, fn in fns.items():
-            runs[name].append(timed(fn, nbytes, device))
-    first = next(iter(runs.values()))
-    rows = {name: {"warm_gib_s": round(statistics.median(xs), 2), "warm_runs": [round(x, 2) for x in xs],
-                   "of_first_in_turn": round(statistics.median(x / f for x, f in zip(xs, first)), 3)}
-            for name, xs in runs.items()}
-    for name, fn in fns.items():
-        if cold and drop_caches():
-            rows[name]["cold_gib_s"] = round(timed(fn, nbytes, device), 2)
+    warm = _rounds(fns, nbytes, device, repeat, drop=False)
+    cold = _rounds(fns, nbytes, device, cold_repeat, drop=True) if cold_repeat and drop_caches() else {}
+    rows = {}
+    for name in fns:
+        rows[name] = {"warm_gib_s": round(statistics.median(warm[name]), 2),
+                      "warm_runs": [round(x, 2) for x in warm[name]], **_of_first(warm, name, "")}
+        if cold:
+            rows[name] |= {"cold_gib_s": round(statistics.median(cold[name]), 2),
+                           "cold_runs": [round(x, 2) for x in cold[name]], **_of_first(cold, name, "cold_")}
         print(f"  {name:<16} {rows[name]}", flush=True)
     return rows
+
+
+def _rounds(fns: dict, nbytes: int, device: str, rounds: int, drop: bool) -> dict[str, list[float]]:
+    runs: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            if drop:
+                drop_caches()
+            runs[name].append(timed(fn, nbytes, device))
+    return runs
+
+
+def _of_first(runs: dict[str, list[float]], name: str, prefix: str) -> dict:
+    first = next(iter(runs.values()))
+    return {f"{prefix}of_first_in_turn": round(statistics.median(x / f for x, f in zip(runs[name], first)), 3)}
 
 
 def bench_s3(model_dir: Path, device: str, options: LoaderOptions, work: Path, file_mb: int) -> dict:
@@ -277,7 +292,7 @@ def bench_shape(shape: str, args, work: Path) -> dict:
     made_s = round(time.perf_counter() - t, 4)  # the manifest read, readers started, buffer allocated: not timed
     from_python = prepared_load(layout, device, dataclasses.replace(options, native=False))
     result |= in_turns({"limit_read": lambda: read_files(files), "loader": load, "loader_python": from_python},
-                       files, nbytes, device, args.repeat, cold)
+                       files, nbytes, device, args.repeat, args.cold_repeat if cold else 0)
     result["loader"]["made_s"] = made_s
     del load, from_python  # their weight buffers
     host = dataclasses.replace(options, verify_on_device=False)
@@ -317,11 +332,16 @@ def bench_shape(shape: str, args, work: Path) -> dict:
     return result
 
 
+def _percent(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0%}"
+
+
 def table(results: list[dict]) -> str:
     by_hash = [f"loader_host_{h}" for h in HASHES]
     rows = [f"{'shape':<12} {'GiB':>6} | {'read lim':>14} {'h2d lim':>7} | {'loader':>12} {'python':>12} | "
             + " ".join(f"{'host ' + h:>12}" for h in HASHES) + f" {'window':>6} {'no hash':>7} | {'safetensors':>14} "
-            f"{'transformers':>12} | {'s3':>6} {'s3->cache':>9} | {'loader/limit':>12} {'per round':>9}"]
+            f"{'transformers':>12} | {'s3':>6} {'s3->cache':>9} | {'loader/limit':>12} {'per round':>9} "
+            f"{'cold, per':>9}"]
 
     def wc(row: dict | None) -> str:
         if not row:
@@ -338,13 +358,14 @@ def table(results: list[dict]) -> str:
                     f"{wc(r['safetensors']):>14} "
                     f"{wc(r.get('transformers')):>12} | {s3.get('s3_gib_s', '-'):>6} "
                     f"{s3.get('disk_cache_gib_s', '-'):>9} | {r['loader']['warm_gib_s'] / limit:12.0%} "
-                    f"{r['loader']['of_first_in_turn']:9.0%}")
+                    f"{r['loader']['of_first_in_turn']:9.0%} {_percent(r['loader'].get('cold_of_first_in_turn')):>9}")
     return "\n".join(rows) + (
         "\n(GiB/s, warm page cache / cold disk. loader: as the engine runs it (on a GPU, checked there); python: "
         "the same, read from Python; host: "
         "hashed on the host with each chunk hash, piece by piece; window: host "
         f"{DEFAULT_HASH} in 1 MiB windows as each piece is read; no hash: unverified (warm); loader/limit: warm "
-        "loader against min(read, h2d); per round: median of loader/read over the rounds taken in turns)")
+        "loader against min(read, h2d); per round: median of loader/read over the rounds taken in turns, warm "
+        "and cold)")
 
 
 def main() -> None:
@@ -359,6 +380,7 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--sweep", action="store_true", help="also the loader over threads x read size x slots")
     p.add_argument("--no-cold", action="store_true")
+    p.add_argument("--cold-repeat", type=int, default=3, help="cold rounds of the read limit and the loader, in turns")
     p.add_argument("--no-transformers", action="store_true")
     others = [h for h in HASHES if h != DEFAULT_HASH]
     p.add_argument("--compare-hashes", nargs="*", default=others, choices=others, metavar="HASH",
