@@ -3,8 +3,8 @@
 Started by the load itself, sixteen threads took 8 ms (Qwen2-1.5B) to 18 ms (Llama-3-8B) to come up on the
 H100 machine: each `Thread.start` waits for its thread to take the GIL, which the readers already running
 hold between reads. For a 76 ms load that ramp was several percent of its time. `LayoutLoader` starts the
-threads when it is made (before the engine imports torch and opens its CUDA context, while no reader runs),
-and a load hands each of them a job.
+threads when it is made (runtime/launch.py makes it before `Engine.build`, while no reader runs), and a load
+hands each of them a job.
 """
 
 from __future__ import annotations
