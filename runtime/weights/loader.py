@@ -207,7 +207,7 @@ class WeightStream:
         try:
             slot_bytes = min(self.options.read_bytes, max(c.length for c in self.chunks))
             writer = self.sink.writer(slot_bytes, self.options.slots_per_thread,
-                                      self.options.native_slot_bytes if self.options.native else 0)
+                                      self.options.native_slot_bytes if self.reads == "native" else 0)
             try:
                 while self._error is None:
                     try:

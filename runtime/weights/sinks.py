@@ -35,9 +35,9 @@ class Writer(Protocol):
 
 
 class Sink(Protocol):
-    native: bool  # local files are read (and on a GPU copied) by the native reader
+    native: bool  # the native reader can serve this sink (built; on a GPU, libcuda found)
 
-    def writer(self, slot_bytes: int, slots: int, ring_slot_bytes: int) -> Writer: ...
+    def writer(self, slot_bytes: int, slots: int, ring_slot_bytes: int) -> Writer: ...  # 0: no native reads
     def wait_copies(self, events: list) -> None: ...
     def device_check(self, manifest: "Manifest") -> "DeviceCheck | None": ...
 
@@ -62,7 +62,7 @@ class HostSink:
         self.native = native() is not None
 
     def writer(self, slot_bytes: int, slots: int, ring_slot_bytes: int) -> "_HostWriter":
-        return _HostWriter(self._host, self._address if self.native and ring_slot_bytes else None)
+        return _HostWriter(self._host, self._address if ring_slot_bytes else None)
 
     def wait_copies(self, events: list) -> None:
         pass
@@ -78,10 +78,9 @@ class _HostWriter:
 
     def read_from(self, source, offset: int, dst: int, n: int) -> None:
         check_bounds(dst, n, len(self._host))
-        if self._native_address is not None and source.tier == "disk":
-            native().read_into(source, offset, n, self._native_address + dst)
-        else:
-            source.read_into(offset, self._host[dst:dst + n])
+        if self._native_address is None or source.tier != "disk":
+            return read_staged(self, source, offset, dst, n)
+        native().read_into(source, offset, n, self._native_address + dst)
 
     def slot(self, dst: int, n: int) -> memoryview:
         return self._host[dst:dst + n]
@@ -125,7 +124,7 @@ class TorchCudaSink:
         self.native = reader is not None and reader.cuda
 
     def writer(self, slot_bytes: int, slots: int, ring_slot_bytes: int) -> "_TorchCudaWriter":
-        return _TorchCudaWriter(self, slot_bytes, slots, ring_slot_bytes if self.native else 0)
+        return _TorchCudaWriter(self, slot_bytes, slots, ring_slot_bytes)
 
     def wait_copies(self, events: list) -> None:
         """Make the caller's current stream wait for these copies."""
