@@ -6,9 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from runtime.engine.attention_metadata import AttentionMetadata
 from runtime.engine.layers import dispatch
 from runtime.engine.layers import rotary as rope
-from runtime.engine.layers.attention import AttentionMetadata, paged_attention_reference
+from runtime.engine.layers.attention import paged_attention_reference
 from runtime.engine.layers.norm import rms_norm_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

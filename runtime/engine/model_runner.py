@@ -12,10 +12,10 @@ from typing import Callable, Protocol
 import torch
 
 from runtime.engine.allocator import DeviceAllocator
+from runtime.engine.attention_metadata import AttentionMetadata
 from runtime.engine.block_manager import BlockManager
 from runtime.engine.decode_inputs import DecodeBuffers, DecodeStaging
 from runtime.engine.engine_config import EngineConfig
-from runtime.engine.layers.attention import AttentionMetadata
 from runtime.engine.layers.rotary import cos_sin_table, inverse_frequencies
 from runtime.engine.model_config import ModelConfig
 from runtime.engine.models.llama import LlamaForCausalLM, bind_weights

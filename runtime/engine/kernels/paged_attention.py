@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from runtime.engine.layers.attention import AttentionMetadata
+from runtime.engine.attention_metadata import AttentionMetadata
 
 BLOCK_N = 64
 

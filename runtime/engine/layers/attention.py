@@ -10,27 +10,11 @@ module's plain PyTorch reference, which the kernel is tested against.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
+from runtime.engine.attention_metadata import AttentionMetadata
 from runtime.engine.layers.dispatch import use_kernels
-
-
-@dataclass
-class AttentionMetadata:
-    slot_mapping: torch.Tensor      # [T] int64: the KV-cache slot each new token is written to
-    query_start_loc: torch.Tensor   # [B + 1] int32
-    seq_lens: torch.Tensor          # [B] int32: tokens in the cache after this step, per sequence
-    block_tables: torch.Tensor      # [B, max_blocks] int32
-    # The kernel's work list: one tile of at most `block_q` query tokens of one sequence each.
-    tile_seq: torch.Tensor          # [tiles] int32
-    tile_q_start: torch.Tensor      # [tiles] int32: first flattened token index of the tile
-    block_q: int
-    # host copies, for the cpu reference
-    query_start_loc_cpu: list[int] | None = None
-    seq_lens_cpu: list[int] | None = None
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

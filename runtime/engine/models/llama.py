@@ -10,8 +10,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from runtime.engine.attention_metadata import AttentionMetadata
 from runtime.engine.layers.activation import silu_and_mul
-from runtime.engine.layers.attention import AttentionMetadata, paged_attention, store_kv
+from runtime.engine.layers.attention import paged_attention, store_kv
 from runtime.engine.layers.linear import Embedding, Linear, linear
 from runtime.engine.layers.norm import RMSNorm
 from runtime.engine.layers.rotary import apply_rotary
