@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 log = get_logger("bootstrap")
 
-#: the restore paths faster than cold, fastest first (DESIGN.md)
+#: the restore paths faster than cold, in the order tried when faas-build measured none (docs/architecture.md)
 FASTER_PATHS = ("gpu", "process", "materialized")
 
 

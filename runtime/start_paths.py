@@ -1,4 +1,4 @@
-"""The paths an instance can start by, fastest first (DESIGN.md, "Restore paths"), and how a path declines.
+"""The paths an instance can start by, fastest first (docs/architecture.md, "Restore paths"), and how a path declines.
 
 Kept apart from the server so that a bootstrap about to restore a snapshot imports nothing it will not use.
 """

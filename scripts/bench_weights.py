@@ -68,7 +68,8 @@ def drop_caches() -> bool:
 
 def settle() -> None:
     """Write back what building the models and layouts left dirty in the page cache: while the kernel writes
-    GiBs back, loads measured beside it ran at 55-66% of the read limit on the H100 machine (eleventh session)."""
+    GiBs back, loads measured beside it are slower than the read limit measured apart from it, and nothing in a
+    deployed image is being written back when the runtime starts."""
     t = time.perf_counter()
     os.sync()
     print(f"  (sync: {time.perf_counter() - t:.1f}s)", flush=True)

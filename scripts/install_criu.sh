@@ -20,7 +20,7 @@ PREFIX=${CRIU_PREFIX:-/opt/thawllm-criu}
 SUITE=trixie
 ARCH=$(dpkg --print-architecture)
 MULTIARCH=$(dpkg-architecture -qDEB_HOST_MULTIARCH 2>/dev/null || echo "$(uname -m)-linux-gnu")
-# criu and every library it loads, glibc included (from GPU-FACTS.md; checked with ldd on the result)
+# criu and every library it loads, glibc included (checked with ldd on the result)
 PACKAGES="criu libprotobuf-c1 libnl-3-200 libnet1 libgnutls30t64 libnftables1 libbsd0 libcap2 libuuid1
 libunistring5 libidn2-0 libp11-kit0 libtasn1-6 libnettle8t64 libhogweed6t64 libgmp10 libffi8 libxtables12
 libjansson4 libmnl0 libnftnl11 libmd0 libedit2 libbpf1 libelf1t64 zlib1g libzstd1 libtinfo6 libc6"

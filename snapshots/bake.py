@@ -1,5 +1,5 @@
 """The snapshot half of faas-build: bake, for one model and one set of settings, the snapshot of every
-restore path this machine can produce (DESIGN.md, "Restore paths").
+restore path this machine can produce (docs/architecture.md, "Restore paths").
 
 Order matters: materialized first, because the process path restores the materialized state after its
 CRIU restore, then process, then gpu (the slowest to bake). A kind that cannot be baked here is skipped

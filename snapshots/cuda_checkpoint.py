@@ -3,8 +3,8 @@ checkpoint its own GPU state. `python -m snapshots.cuda_checkpoint {checkpoint,r
 
 checkpoint: lock (waits for in-flight work; new CUDA calls block), then checkpoint (device memory copied
 to host, the GPU released: the process holds no /dev/nvidia* files, so CRIU can dump it).
-restore: put the device state back (on this machine's GPU), then unlock. See GPU-FACTS.md for the flow and
-its figures on the H100.
+restore: put the device state back (on this machine's GPU), then unlock. docs/architecture.md, "The CUDA
+checkpoint", says what the driver requires.
 """
 
 from __future__ import annotations

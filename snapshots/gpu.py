@@ -1,5 +1,5 @@
 """GPU snapshots: the whole process of a ready engine (weights loaded, KV cache allocated, CUDA graphs
-instantiated, not yet listening), GPU memory included (DESIGN.md, "Snapshots").
+instantiated, not yet listening), GPU memory included (docs/architecture.md, "Snapshots").
 
 Bake: the runtime is frozen as for a process snapshot but after `engine.start()`; a helper process locks
 and checkpoints its CUDA state (snapshots/cuda_checkpoint.py), then CRIU dumps it. Boot: CRIU restores it,
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 log = get_logger("snapshots.gpu")
 
-#: the process keeps a unix socket to the driver's side; CRIU must let it dangle (GPU-FACTS.md)
+#: the process keeps a unix socket to the driver's side; CRIU must let it dangle (docs/architecture.md)
 GPU_CRIU_OPTIONS = ["--ext-unix-sk"]
 
 

@@ -1,5 +1,5 @@
 """Process snapshots: a CRIU image of the runtime after imports, settings, tokenizer and engine
-construction on the meta device, before CUDA is initialised (DESIGN.md, "Snapshots").
+construction on the meta device, before CUDA is initialised (docs/architecture.md, "Snapshots").
 
 `bake_process_snapshot` (faas-build) freezes such a runtime, dumps it into `<snapshot dir>/process/`,
 restores it once to check the image works, and only then renames the directory into place. `thaw` is the

@@ -1,4 +1,4 @@
-"""Which restore path the bootstrap takes, and the three restore paths (DESIGN.md, "Restore paths").
+"""Which restore path the bootstrap takes, and the three restore paths (docs/architecture.md, "Restore paths").
 
 gpu and process are CRIU snapshots: a fresh bootstrap cannot turn itself into the snapshot, so it restores
 the snapshot as a child and hands over (`take_over`, before listening), then supervises it. Inside the

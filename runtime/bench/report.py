@@ -1,4 +1,4 @@
-"""Tables (markdown, ready to paste into docs/benchmarks.md) and JSON files, written atomically."""
+"""Tables (markdown, in the form docs/benchmarks.md shows them) and JSON files, written atomically."""
 
 from __future__ import annotations
 

@@ -1,9 +1,8 @@
 """A chunk checksum the GPU computes over the bytes after they land, so the host reads each byte once.
 
 Hashing on the host costs the loader a second pass over every byte (or, hashed in small windows while they
-are in cache, sixteen times as many reads, each a hand-over of the GIL). On the H100 machine either kept a
-verified page-cache load near 25 GiB/s against a 41 GiB/s read limit (docs/benchmarks.md, "Weight
-loading"). The GPU reads 15 GiB of landed weights in a few milliseconds, so a load from local files into a
+are in cache, sixteen times as many reads, each a hand-over of the GIL): either way the host's hashing, not
+the read, bounded a verified load from the page cache on the H100 machine. The GPU reads 15 GiB of landed weights in a few milliseconds, so a load from local files into a
 CUDA buffer is verified there: the layout records this checksum beside its host hash (manifest
 `device_sums`), faas-build computes it with `chunk_sum` below, and the loader with `DeviceCheck`.
 

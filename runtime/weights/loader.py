@@ -53,8 +53,8 @@ MiB = 1 << 20
 class LoaderOptions:
     threads: int = 0  # 0: one per core, at most 16
     # a piece: one work item; from Python one preadv / ranged GET into one pinned slot. Each costs a few
-    # hand-overs of the GIL: with 8 MiB pieces the H100 machine loaded 8B at 22.5 GiB/s, with 16 MiB at 32.4
-    # (docs/benchmarks.md). The native reader takes a piece in one call, in native_slot_bytes steps
+    # hand-overs of the GIL, so pieces are large (docs/weights.md). The native reader takes a piece in one
+    # call, in native_slot_bytes steps
     read_bytes: int = 16 * MiB
     slots_per_thread: int = 2  # read the next piece while the last one is copied
     # Pieces not hashed on the host are read from local files by the native reader where it was built
@@ -67,9 +67,8 @@ class LoaderOptions:
     # runtime/weights/device_checksum.py) instead of hashing them on the host; False: always on the host
     verify_on_device: bool = True
     # Hashed on the host, from local files, a piece may be read and hashed in windows of this size, each while
-    # it is still in the core's cache (0: whole pieces). Each window costs two hand-overs of the GIL, and on
-    # the H100 machines measured that cost more than it saved: 15.7 against 24.6 GiB/s for whole pieces
-    # (docs/benchmarks.md, "Weight loading", eighth session)
+    # it is still in the core's cache (0: whole pieces). Each window costs two hand-overs of the GIL, which
+    # on the H100 machines cost more than the cache saved
     hash_window_bytes: int = 0
 
     def reader_threads(self, n_chunks: int) -> int:

@@ -5,9 +5,9 @@
  * slot is still in the CPU's cache at that moment, the copy engine reads it from there and the bytes cross
  * host memory twice (page cache -> slot, written back), not three times. That needs small slots (4 MiB: a
  * ring of 16 readers x 2 slots stays inside the 300 MiB L3 of the H100 machine), and from Python each piece
- * costs a few hand-overs of the GIL: there 4 MiB pieces ran at 76-79% of the read limit, 16 MiB ones at
- * 86-93%. In C, with the same threads, 4 MiB pieces ran at 112-117% of that limit (docs/benchmarks.md,
- * "Weight loading", twelfth session).
+ * costs a few hand-overs of the GIL, so from Python small pieces are slower than 16 MiB ones. In C, with the
+ * same threads, 4 MiB pieces are faster than a plain parallel read of the same files (docs/weights.md;
+ * scripts/bench_weights.py measures both).
  *
  * libcuda is opened with dlopen, so this file compiles without the CUDA toolkit and loads on a machine with
  * no GPU (thaw_read only). Each reader thread has its own ring; the CUDA context is the calling thread's. */

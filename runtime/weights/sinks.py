@@ -143,9 +143,8 @@ class TorchCudaSink:
 class _TorchCudaWriter:
     """Pinned slots from torch's host allocator, each copied to the GPU on the writer's stream through the
     driver API, with one event per slot, recorded again for each piece it carries. Through torch (a tensor
-    view, `copy_`, a new `torch.cuda.Event` and a stream context per piece) each piece held the GIL longer: the
-    loader was ~5% slower from the page cache on the H100 (docs/benchmarks.md, "Weight loading", tenth
-    session). A piece's event, once recorded again, marks a later copy on the same stream, so waiting on it
+    view, `copy_`, a new `torch.cuda.Event` and a stream context per piece) each piece held the GIL longer, and
+    the loader was slower from the page cache. A piece's event, once recorded again, marks a later copy on the same stream, so waiting on it
     still waits for the piece. The native reader has a ring of its own, of `ring_slot_bytes` slots (0: none)."""
 
     def __init__(self, sink: TorchCudaSink, slot_bytes: int, slots: int, ring_slot_bytes: int) -> None:

@@ -11,7 +11,7 @@ captured live rather than risk the wrong code.
 Why triggering cannot be skipped for cuBLAS: on the H100 (CUDA 12.9 driver) each of cuBLAS's `nvjet` kernels
 is a module of its own, one function, loaded lazily at its first launch (2-3 ms each), and the decode graphs
 of Qwen2-1.5B use about 100 of them across the 35 sizes. Enumerating the modules already loaded finds none of
-the missing ones (measured; docs/benchmarks.md), and loading from several threads at once was no faster.
+the missing ones (measured on the H100), and loading from several threads at once was no faster.
 """
 
 from __future__ import annotations

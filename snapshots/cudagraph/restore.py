@@ -56,9 +56,8 @@ class MaterializedGraphs:
 
     #: A restore that builds no graph above this batch size runs before the weight copies start. Its kernels
     #: are Triton's (runtime/engine/kernels/gemv.py), and a module load copies its code to the GPU, behind the
-    #: copies: beside them each took 10-40 ms instead of 2 (H100). A larger one runs beside them: its kernels
-    #: are mostly cuBLAS's, whose loads are CPU-bound, and its 1.1-1.7 s overlap the stream
-    #: (docs/benchmarks.md, tenth session).
+    #: copies: beside them each took ten times as long on the H100. A larger one runs beside them: its kernels
+    #: are mostly cuBLAS's, whose loads are CPU-bound, and they overlap the stream (docs/snapshots.md).
     BEFORE_WEIGHTS_UP_TO = 8
 
     def __init__(self, directory: str | Path, before_ready_up_to: int | None = None) -> None:

@@ -1,4 +1,4 @@
-"""A process snapshot of the runtime serving the tiny model, baked once per session with real CRIU."""
+"""A process snapshot of the runtime serving the tiny model, baked once per test run with real CRIU."""
 
 from __future__ import annotations
 

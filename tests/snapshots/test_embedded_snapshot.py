@@ -1,4 +1,4 @@
-"""The issue's check on the CPU machine: a process snapshot of the runtime serving the embedded SmolLM2
+"""On a CPU machine: a process snapshot of the runtime serving the embedded SmolLM2
 (MODEL unset) is baked, restored by faas-bootstrap and answers exactly as a cold start does."""
 
 from __future__ import annotations

@@ -107,7 +107,7 @@ def test_a_helper_that_cannot_stream_leaves_it_to_the_restored_process(tiny_mode
 #: random-weight models of real shapes whose gpu snapshot must serve what a cold start serves;
 #: THAWLLM_GPU_SHAPES=qwen2-1.5b,llama-3-8b for the 8B one too (16 GB written, a few minutes)
 REAL_SHAPES = os.environ.get("THAWLLM_GPU_SHAPES", "qwen2-1.5b").split(",")
-#: each shape's share of an H100, as in docs/benchmarks.md
+#: each shape's share of an H100, as the GPU benchmarks bake them (docs/benchmarks.md)
 SHAPE_MEMORY = {"qwen2-1.5b": "0.12", "llama-3-8b": "0.25"}
 
 

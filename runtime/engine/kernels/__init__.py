@@ -17,9 +17,8 @@ def prepare_kernels() -> None:
     the process snapshot: import Triton and the kernel modules, Triton's key of its own sources (it hashes
     every compiler file and libtriton, ~0.4 s, on the first compile of a process), its code generator, each
     kernel's cache key (a walk over the kernel's syntax tree and everything it calls, on its first launch)
-    and where libcuda lives (an `ldconfig -p`). Measured on the H100 the first two were 0.7 s of the 1.5 s a
-    materialised graph restore spent resolving kernels, and the keys most of what was left (eighth
-    session's profile, docs/benchmarks.md)."""
+    and where libcuda lives (an `ldconfig -p`). In a fresh process these are most of what a materialised
+    graph restore spends resolving kernels (docs/snapshots.md)."""
     modules = [importlib.import_module(name) for name in KERNEL_MODULES]
     try:
         from triton.backends.nvidia.driver import libcuda_dirs

@@ -1,8 +1,8 @@
 """Triton token embedding: each new token's row of the embedding table, copied to the hidden states.
 
 torch's embedding kernel lives in a large compressed module of libtorch_cuda that the driver loads on its first
-launch: 45-70 ms of a fresh process's graph restore on the H100, against a few ms for this kernel from the
-baked Triton cache (docs/benchmarks.md, ninth session)."""
+launch, tens of milliseconds of a fresh process's graph restore; this kernel comes from the baked Triton cache
+in a few milliseconds (docs/snapshots.md)."""
 
 from __future__ import annotations
 

@@ -1,16 +1,14 @@
 """Triton products for a few tokens: y = x @ W.T (+ b), the projections of decode steps at batch sizes 1 to 8.
 
-At one token a projection is one pass over its weight matrix, so it is bound by HBM bandwidth. On the H100
-cuBLAS read the Llama-3-8B projections at 2.0-2.9 TB/s at batch 1; this kernel read them at 2.6-3.2 TB/s
-(docs/benchmarks.md, "Decode throughput", seventh session). Each program reduces BLOCK_N rows of W over K in
-BLOCK_K-wide chunks, accumulating in float32.
+At one token a projection is one pass over its weight matrix, so it is bound by HBM bandwidth; on the H100
+this kernel reads the Llama-3-8B projections faster than cuBLAS does at batch 1 (scripts/bench_gemv.py).
+Each program reduces BLOCK_N rows of W over K in BLOCK_K-wide chunks, accumulating in float32.
 
 Two to eight tokens go through a second kernel, `_few_rows_kernel`: each program takes BLOCK_N rows of W
-and the tokens padded to 16 rows, on the tensor cores; still one pass over W. On the H100 it matched cuBLAS
-at 2, 4 and 8 tokens (a Qwen2-1.5B layer's four projections 72.9 against 73.1 us, Llama-3-8B's 202.6
-against 205.0), and it keeps cuBLAS out of the decode graphs a materialised start builds before ready:
-cuBLAS's first call in a process costs 70-100 ms, its kernels one module load each (docs/benchmarks.md,
-tenth session).
+and the tokens padded to 16 rows, on the tensor cores; still one pass over W. It is as fast as cuBLAS at
+2, 4 and 8 tokens (scripts/bench_gemv.py), and it keeps cuBLAS out of the decode graphs a materialised start
+builds before ready: cuBLAS's first call in a process costs tens of milliseconds, and its kernels one module
+load each (docs/snapshots.md).
 
 One configuration per kernel serves every shape, and the bias and the number of tokens are runtime
 arguments, so a model's products are two compiled specialisations, one per kernel: a materialised CUDA
