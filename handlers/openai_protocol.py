@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import orjson
 
@@ -46,6 +46,10 @@ def parse_json(raw: bytes) -> dict[str, Any]:
     return body
 
 
+_KIND_WORDS = {"int": "an integer", "number": "a number", "bool": "a boolean", "str": "a string",
+               "list": "an array", "dict": "an object"}
+
+
 class _Fields:
     """Typed access to a request body; a wrong type is a 400 naming the parameter."""
 
@@ -63,14 +67,8 @@ class _Fields:
               "list": isinstance(value, list),
               "dict": isinstance(value, dict)}[kind]
         if not ok:
-            article = "an" if kind == "int" else "a"
-            raise bad_request(f"'{name}' must be {article} {'integer' if kind == 'int' else kind}, got {value!r}",
-                              name)
+            raise bad_request(f"'{name}' must be {_KIND_WORDS[kind]}, got {value!r}", name)
         return float(value) if kind == "number" else value
-
-    def reject(self, name: str, unsupported: bool, why: str) -> None:
-        if unsupported:
-            raise bad_request(f"'{name}' is not supported by this server: {why}", name, "unsupported_parameter")
 
 
 def _check_model(fields: _Fields, served: str) -> str:
@@ -81,12 +79,57 @@ def _check_model(fields: _Fields, served: str) -> str:
     return model
 
 
+# -- validation shared by both routes ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Refusal:
+    """A parameter refused with a 400 rather than ignored, since ignoring it would change the answer the
+    client asked for. `kind` is checked first (a wrong type is an invalid request, not an unsupported one);
+    `refused(value)` then says whether this server cannot serve the value."""
+
+    name: str
+    kind: str
+    refused: Callable[[Any], bool]
+    why: str
+
+
+#: what neither route serves
+UNSERVED = (
+    Refusal("n", "int", lambda n: n != 1,
+            "only n=1 (send several requests, with different seeds if you want different samples)"),
+    Refusal("best_of", "int", lambda n: n != 1, "only best_of=1"),
+    Refusal("echo", "bool", bool, "echo is not implemented"),
+    Refusal("suffix", "str", bool, "no insertion"),
+    Refusal("tools", "list", bool, "no tool calling"),
+    Refusal("functions", "list", bool, "no function calling"),
+    Refusal("logit_bias", "dict", bool, "no logit bias"),
+    Refusal("response_format", "dict", lambda fmt: fmt["type"] != "text", "no structured output"),
+)
+CHAT_REFUSALS = UNSERVED
+COMPLETION_REFUSALS = UNSERVED
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+
+
+def _check_request(f: _Fields, refusals: Sequence[Refusal]) -> None:
+    """The checks every route makes, in one place: types of the shared parameters, then what is refused."""
+    f.get("user", "str")
+    _check_response_format(f)
+    for refusal in refusals:
+        value = f.get(refusal.name, refusal.kind)
+        if value is not None and refusal.refused(value):
+            raise bad_request(f"'{refusal.name}' is not supported by this server: {refusal.why}", refusal.name,
+                              "unsupported_parameter")
+
+
+def _check_response_format(f: _Fields) -> None:
+    fmt = f.get("response_format", "dict")
+    if fmt is not None and fmt.get("type") not in RESPONSE_FORMATS:
+        raise bad_request(f"'response_format.type' must be one of {', '.join(RESPONSE_FORMATS)}, got "
+                          f"{fmt.get('type')!r}", "response_format")
+
+
 def _sampling_params(fields: _Fields, max_tokens: int, logprobs: int | None) -> SamplingParams:
     f = fields
-    n = f.get("n", "int", 1)
-    if n != 1:
-        raise bad_request(f"n={n} is not supported: only n=1 (send {n} requests, with different seeds if "
-                          "you want different samples)", "n", "unsupported_parameter")
     stop = f.body.get("stop")
     if stop is not None and not isinstance(stop, str) and not (
             isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
@@ -112,15 +155,16 @@ def _sampling_params(fields: _Fields, max_tokens: int, logprobs: int | None) -> 
         raise bad_request(str(exc), exc.param) from None
 
 
-def _max_tokens(fields: _Fields, *names: str) -> int | None:
-    """The first of `names` that is set (max_completion_tokens replaced max_tokens in chat)."""
-    for name in names:
+def _max_tokens(fields: _Fields) -> int | None:
+    """max_completion_tokens replaced max_tokens in chat; both are accepted on both routes, each checked,
+    and the newer name wins where both are set."""
+    values = {}
+    for name in ("max_completion_tokens", "max_tokens"):
         value = fields.get(name, "int")
-        if value is not None:
-            if value < 1:
-                raise bad_request(f"'{name}' must be at least 1, got {value}", name)
-            return value
-    return None
+        if value is not None and value < 1:
+            raise bad_request(f"'{name}' must be at least 1, got {value}", name)
+        values[name] = value
+    return values["max_completion_tokens"] or values["max_tokens"]
 
 
 def _stream_flags(fields: _Fields) -> tuple[bool, bool]:
@@ -132,19 +176,10 @@ def _stream_flags(fields: _Fields) -> tuple[bool, bool]:
     return stream, stream and include_usage
 
 
-def _reject_unsupported(f: _Fields) -> None:
-    f.reject("tools", bool(f.body.get("tools")), "no tool calling")
-    f.reject("functions", bool(f.body.get("functions")), "no function calling")
-    f.reject("logit_bias", bool(f.body.get("logit_bias")), "no logit bias")
-    fmt = f.body.get("response_format")
-    f.reject("response_format", isinstance(fmt, dict) and fmt.get("type", "text") != "text",
-             "no structured output")
-
-
 def parse_chat(body: dict[str, Any], engine: EngineView, served: str) -> GenerationRequest:
     f = _Fields(body)
     model = _check_model(f, served)
-    _reject_unsupported(f)
+    _check_request(f, CHAT_REFUSALS)
     messages = _chat_messages(f.get("messages", "list"))
     try:
         prompt_text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
@@ -152,7 +187,7 @@ def parse_chat(body: dict[str, Any], engine: EngineView, served: str) -> Generat
         raise bad_request(str(exc), "messages") from None
     # The template writes the special tokens (BOS included) itself.
     prompt = engine.tokenizer.encode(prompt_text, add_special_tokens=False)
-    max_tokens = _max_tokens(f, "max_completion_tokens", "max_tokens")
+    max_tokens = _max_tokens(f)
     if max_tokens is None:  # OpenAI's default: whatever room the context has left
         max_tokens = max(1, engine.max_model_len - len(prompt))
     logprobs = None
@@ -201,11 +236,8 @@ def _message_text(content: Any, i: int) -> str:
 def parse_completion(body: dict[str, Any], engine: EngineView, served: str) -> GenerationRequest:
     f = _Fields(body)
     model = _check_model(f, served)
-    _reject_unsupported(f)
-    f.reject("echo", f.get("echo", "bool", False), "echo is not implemented")
-    f.reject("suffix", bool(f.body.get("suffix")), "no insertion")
-    f.reject("best_of", f.get("best_of", "int", 1) != 1, "only best_of=1")
-    max_tokens = _max_tokens(f, "max_tokens")
+    _check_request(f, COMPLETION_REFUSALS)
+    max_tokens = _max_tokens(f)
     logprobs = f.get("logprobs", "int")
     if logprobs is not None and not 0 <= logprobs <= MAX_COMPLETIONS_LOGPROBS:
         raise bad_request(f"'logprobs' must be between 0 and {MAX_COMPLETIONS_LOGPROBS}, got {logprobs}", "logprobs")

@@ -180,6 +180,43 @@ def test_invalid_chat_request_is_400(http: httpx.Client, body, param):
     assert error["type"] == "invalid_request_error" and error["param"] == param and error["message"]
 
 
+#: what both routes check alike: (parameter, value, code); "unsupported_parameter" where the value is valid
+#: but not served, None where it is invalid
+SHARED_CHECKS = [
+    ("best_of", 2, "unsupported_parameter"),
+    ("echo", True, "unsupported_parameter"),
+    ("n", 2, "unsupported_parameter"),
+    ("logit_bias", {"50": 10}, "unsupported_parameter"),
+    ("response_format", {"type": "json_object"}, "unsupported_parameter"),
+    ("response_format", "text", None),
+    ("response_format", {"type": "yaml"}, None),
+    ("user", 5, None),
+    ("max_completion_tokens", "5", None),
+    ("max_completion_tokens", -3, None),
+    ("max_completion_tokens", 0, None),
+    ("max_tokens", "5", None),
+]
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+@pytest.mark.parametrize("param, value, code", SHARED_CHECKS)
+def test_both_routes_validate_parameters_alike(http: httpx.Client, route, param, value, code):
+    body = {"messages": CHAT} if route == "/v1/chat/completions" else {"prompt": "hello"}
+    r = http.post(route, json={"model": "tiny-llama", "max_tokens": 2, **body, param: value})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", param, code)
+    assert param in error["message"]
+
+
+def test_valid_shared_parameters_are_served_on_both_routes(client: openai.OpenAI):
+    chat = client.chat.completions.create(model="tiny-llama", messages=CHAT, max_completion_tokens=2, user="u",
+                                          response_format={"type": "text"}, **GREEDY)
+    text = client.completions.create(model="tiny-llama", prompt="hello", user="u", temperature=0.0,
+                                     extra_body={"max_completion_tokens": 3, "ignore_eos": True})
+    assert (chat.usage.completion_tokens, text.usage.completion_tokens) == (2, 3)
+
+
 def test_prompt_longer_than_context_is_400_in_the_client(client: openai.OpenAI):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="tiny-llama", prompt="y" * 2040, max_tokens=100, stream=True)
