@@ -22,6 +22,7 @@ from runtime import timeline as stages
 from runtime.engine.block_manager import BlockManager
 from runtime.engine.detokenizer import OutputText
 from runtime.engine.engine_config import EngineConfig
+from runtime.engine.grammar import GrammarCompiler
 from runtime.engine.model_config import ModelConfig
 from runtime.engine.model_runner import KVProfile, ModelRunner, PendingTokens
 from runtime.engine.models.llama import build_on_meta
@@ -100,6 +101,7 @@ class Engine:
         self.max_model_len = config.max_model_len or min(DEFAULT_MAX_MODEL_LEN, model_config.max_position_embeddings)
         self.plan = plan_weights(model_config, config.dtype)
         self.model = build_on_meta(model_config)
+        self.grammars = GrammarCompiler(tokenizer, model_config.vocab_size)
         self._load_weights = load_weights
         self.runner: ModelRunner | None = None
         self.kv_profile: KVProfile | None = None
@@ -176,7 +178,7 @@ class Engine:
         self.blocks = BlockManager(kv_blocks, self.config.block_size, reserved=runner.reserved_blocks)
         self.scheduler = Scheduler(self.blocks, self.config.max_num_seqs,
                                    max(self.config.max_num_batched_tokens, self.max_model_len))
-        self.sampler = Sampler(device, self.config.seed)
+        self.sampler = Sampler(device, self.config.seed, self.tokenizer.eos_token_ids)
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
         self.ready = True
@@ -264,7 +266,10 @@ class Engine:
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.tokenizer.eos_token_ids
-        request = _Request(Sequence(request_id, prompt_ids, params),
+        seq = Sequence(request_id, prompt_ids, params)
+        if params.grammar is not None:  # compiled off the event loop: a new schema takes milliseconds
+            seq.grammar = await asyncio.to_thread(self.grammars.matcher, params.grammar)
+        request = _Request(seq,
                            OutputText(self.tokenizer, prompt_ids, params.stop),
                            asyncio.get_running_loop(), asyncio.Queue(), stop_ids)
         self._requests[request_id] = request
@@ -322,8 +327,12 @@ class Engine:
         if total > capacity:
             raise InvalidParams("max_tokens", f"the request needs {total} tokens of KV cache but the whole cache "
                                 f"holds {capacity}")
-        if max(prompt_ids) >= self.model_config.vocab_size or min(prompt_ids) < 0:
+        vocab = self.model_config.vocab_size
+        if max(prompt_ids) >= vocab or min(prompt_ids) < 0:
             raise InvalidParams("prompt", "the prompt has token ids outside the vocabulary")
+        for param, ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+            if any(t >= vocab for t in ids):
+                raise InvalidParams(param, f"{param} has token ids outside the vocabulary (0-{vocab - 1})")
 
     # -- the step loop (engine thread) -------------------------------------------------------------
 
@@ -382,8 +391,9 @@ class Engine:
         """Whether the next step may be launched before `step`'s tokens are read: not when a sequence ends by
         length at `step` (known in advance: no step is wasted on it). Waiting requests may join: a prefill
         never holds a PENDING token (a preempted sequence is settled before it can be scheduled again), and
-        the penalties count tokens on the device (runtime/engine/penalties.py)."""
-        return not any(index + 1 >= seq.params.max_tokens
+        the penalties count tokens on the device (runtime/engine/penalties.py). Nor when a sequence has a
+        grammar: its next mask follows from the token this step chooses."""
+        return not any(seq.grammar is not None or index + 1 >= seq.params.max_tokens
                        or seq.num_prompt_tokens + index + 1 >= self.max_model_len
                        for seq, index in zip(step.batch.seqs, step.indices))
 
@@ -412,7 +422,10 @@ class Engine:
         reason = None
         if token.token_id in request.stop_ids:
             reason = "stop"
-        elif request.text.add_token(token.token_id):
+        elif seq.grammar is not None and not seq.grammar.accept(token.token_id):
+            self._fail(seq.request_id, RuntimeError(f"the grammar rejected token {token.token_id}"))
+            return
+        elif request.text.add_token(token.token_id) or (seq.grammar is not None and seq.grammar.done):
             reason = "stop"
         elif count >= seq.params.max_tokens or seq.num_prompt_tokens + count >= self.max_model_len:
             reason = "length"

@@ -1,5 +1,6 @@
-"""Turns each sequence's next-token logits into a token: penalties (runtime/engine/penalties.py), greedy or
-temperature / top-k / top-p sampling with a per-request seed, and the log-probabilities the request asked for.
+"""Turns each sequence's next-token logits into a token: penalties (runtime/engine/penalties.py), logit bias,
+min_tokens and grammars (runtime/engine/constraints.py), greedy or temperature / top-k / top-p / min-p
+sampling with a per-request seed, and the log-probabilities the request asked for.
 
 Two halves, so the engine can launch the next step before it reads this one's tokens (async scheduling,
 runtime/engine/llm_engine.py): `Sampler.__call__` queues the sampling on the device and starts copying the
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.engine.constraints import Constraints, constrained
 from runtime.engine.penalties import Penalties, penalised
 from runtime.engine.sampling_params import SamplingParams
 from runtime.engine.sequence import Sequence
@@ -59,11 +61,12 @@ class SampledBatch:
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int) -> None:
+    def __init__(self, device: torch.device, seed: int, eos_token_ids: set[int] = frozenset()) -> None:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self._request_generators: dict[str, torch.Generator] = {}
         self.penalties = Penalties(device)
+        self.constraints = Constraints(device, eos_token_ids)
 
     def forget(self, request_id: str) -> None:
         self._request_generators.pop(request_id, None)
@@ -78,6 +81,8 @@ class Sampler:
         logits = logits.float()
         logprobs = torch.log_softmax(logits, dim=-1) if any(s.params.logprobs is not None for s in seqs) else None
         self.penalties.apply(logits, seqs)
+        if any(constrained(s.params) for s in seqs):
+            self.constraints.apply(logits, seqs)
         tokens = logits.argmax(dim=-1)
         sampled_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if sampled_rows:
@@ -98,6 +103,9 @@ class Sampler:
         if any(top_k) or any(p < 1.0 for p in top_p):
             logits = _mask_top_k_top_p(logits, top_k, top_p)
         probs = torch.softmax(logits, dim=-1)
+        if any(s.params.min_p for s in seqs):
+            min_p = torch.tensor([s.params.min_p for s in seqs], device=logits.device)[:, None]
+            probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
         # Sampling by the exponential race (argmax of p / Exp(1)) lets each request draw its noise from its
         # own seeded generator, so a seeded request gets the same tokens whatever else shares its batch.
         noise = torch.empty_like(probs)
@@ -116,8 +124,8 @@ class Sampler:
 
 
 def _plain_greedy(params: SamplingParams) -> bool:
-    """Greedy, and nothing else reads or changes the logits (no penalties, no logprobs)."""
-    return params.greedy and params.logprobs is None and not penalised(params)
+    """Greedy, and nothing else reads or changes the logits (no penalties, bias, grammar or logprobs)."""
+    return params.greedy and params.logprobs is None and not penalised(params) and not constrained(params)
 
 
 def _mask_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

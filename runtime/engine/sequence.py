@@ -5,8 +5,12 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from runtime.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from runtime.engine.grammar import Matcher
 
 
 class Status(enum.Enum):
@@ -34,6 +38,8 @@ class Sequence:
     num_computed_tokens: int = 0
     finish_reason: str | None = None
     arrival: int = field(default_factory=lambda: next(_arrival))
+    # where the output is in the request's grammar (params.grammar), following the tokens the host has read
+    grammar: "Matcher | None" = None
 
     @property
     def num_tokens(self) -> int:

@@ -56,6 +56,17 @@ class Tokenizer:
         """The text of one token on its own (for logprobs), with special tokens shown."""
         return self._tok.decode([token_id], skip_special_tokens=False)
 
+    @property
+    def grammar_eos_token_id(self) -> int | None:
+        """The end-of-sequence token a finished grammar allows: the tokenizer's own EOS where it is one of the
+        model's, else the lowest of them (any of them ends the sequence)."""
+        own = self._tok.token_to_id(self.eos_token) if self.eos_token else None
+        return own if own in self.eos_token_ids else min(self.eos_token_ids, default=None)
+
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json holds it (the grammar engine builds its token table from it)."""
+        return self._tok.to_str()
+
     @cached_property
     def special_ids(self) -> set[int]:
         return {t.content and self._tok.token_to_id(t.content)

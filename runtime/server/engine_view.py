@@ -57,19 +57,14 @@ class EngineView:
             async for out in stream:
                 if out.token_ids:
                     now = time.perf_counter()
-                    n = len(out.token_ids)
                     if first:
-                        metrics.time_to_first_token.observe(now - started)
+                        metrics.first_token(now - started)
                         self._first_token_of_process()
-                        first = False
-                    else:
-                        for _ in range(n):
-                            metrics.inter_token_latency.observe((now - last) / n)
+                    metrics.tokens(len(out.token_ids), None if first else now - last)
+                    first = False
                     last = now
-                    metrics.generated_tokens.inc(n)
                 if out.finished:
-                    metrics.prompt_tokens.inc(out.prompt_tokens)
-                    metrics.finished_requests.labels(out.finish_reason or "unknown").inc()
+                    metrics.finished(out.finish_reason, out.prompt_tokens, time.perf_counter() - started)
                 yield out
         finally:
             await stream.aclose()

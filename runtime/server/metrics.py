@@ -1,5 +1,6 @@
 """Prometheus metrics: the cold start (stage durations, restore path), latency (TTFT, inter-token), tokens,
-and the engine's queues and KV cache, read from the engine at scrape time.
+and the engine's queues and KV cache, read from the engine at scrape time. The request metrics are also
+exported under vLLM's names (`vllm:...`, labelled with `model_name`), so dashboards made for vLLM work.
 
 Each app has its own registry, so several apps (tests, or a handler that builds its own) never collide.
 """
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
 # Buckets in seconds: TTFT spans a warm 10 ms to a queued multi-second prefill; ITL a few ms to ~0.5 s.
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
+_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 
 
 class ServerMetrics:
@@ -37,7 +39,46 @@ class ServerMetrics:
         self.prompt_tokens = Counter("thawllm_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.finished_requests = Counter(
             "thawllm_requests_finished", "Requests finished, by finish reason", ["finish_reason"], registry=r)
+        self._state = state
+        model = ["model_name"]
+        self.vllm_time_to_first_token = Histogram(
+            "vllm:time_to_first_token_seconds", "Time to first token", model, buckets=_TTFT_BUCKETS, registry=r)
+        self.vllm_inter_token_latency = Histogram(
+            "vllm:inter_token_latency_seconds", "Inter-token latency", model, buckets=_ITL_BUCKETS, registry=r)
+        self.vllm_e2e_latency = Histogram(
+            "vllm:e2e_request_latency_seconds", "End-to-end request latency", model, buckets=_E2E_BUCKETS,
+            registry=r)
+        self.vllm_prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed", model, registry=r)
+        self.vllm_generation_tokens = Counter("vllm:generation_tokens", "Generation tokens processed", model,
+                                              registry=r)
+        self.vllm_request_success = Counter("vllm:request_success", "Finished requests, by finish reason",
+                                            model + ["finished_reason"], registry=r)
         r.register(_StateCollector(state))
+
+    @property
+    def _model(self) -> str:
+        return self._state.model_name or ""
+
+    def first_token(self, seconds: float) -> None:
+        self.time_to_first_token.observe(seconds)
+        self.vllm_time_to_first_token.labels(self._model).observe(seconds)
+
+    def tokens(self, n: int, gap: float | None) -> None:
+        """`n` tokens generated; `gap` seconds since the previous ones (None for the first)."""
+        if gap is not None:
+            for _ in range(n):
+                self.inter_token_latency.observe(gap / n)
+                self.vllm_inter_token_latency.labels(self._model).observe(gap / n)
+        self.generated_tokens.inc(n)
+        self.vllm_generation_tokens.labels(self._model).inc(n)
+
+    def finished(self, finish_reason: str | None, prompt_tokens: int, seconds: float) -> None:
+        reason = finish_reason or "unknown"
+        self.prompt_tokens.inc(prompt_tokens)
+        self.finished_requests.labels(reason).inc()
+        self.vllm_prompt_tokens.labels(self._model).inc(prompt_tokens)
+        self.vllm_request_success.labels(self._model, reason).inc()
+        self.vllm_e2e_latency.labels(self._model).observe(seconds)
 
     def route(self) -> Route:
         async def metrics(request: Request) -> Response:
@@ -73,6 +114,15 @@ class _StateCollector(Collector):
                 ("thawllm_kv_blocks_used", "KV-cache blocks in use", stats and stats.kv_blocks_used),
                 ("thawllm_kv_blocks_total", "KV-cache blocks allocated", stats and stats.kv_blocks_total)):
             yield GaugeMetricFamily(name, doc, value=value or 0)
+        model = state.model_name or ""
+        for name, doc, value in (
+                ("vllm:num_requests_running", "Requests in the running batch", stats and stats.running),
+                ("vllm:num_requests_waiting", "Requests waiting to be scheduled", stats and stats.waiting),
+                ("vllm:kv_cache_usage_perc", "KV-cache usage (1 is full)",
+                 stats and stats.kv_blocks_total and stats.kv_blocks_used / stats.kv_blocks_total)):
+            gauge = GaugeMetricFamily(name, doc, labels=["model_name"])
+            gauge.add_metric([model], value or 0)
+            yield gauge
         steps = CounterMetricFamily(
             "thawllm_engine_steps", "Engine steps launched, by whether the previous step's tokens had been read "
             "(settled) or not yet (ahead: async scheduling)", labels=["launch"])

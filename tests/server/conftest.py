@@ -107,12 +107,15 @@ CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tiny_model, tmp_path_factory) -> Path:
-    """The shared tiny random Llama (tests/conftest.py), served as `tiny-llama`, with a chat template and
-    a 4096-position context, so that a generation can outlast a disconnect by seconds."""
+    """The shared tiny random Llama (tests/conftest.py), served as `tiny-llama`, with a chat template,
+    a 4096-position context, so that a generation can outlast a disconnect by seconds, and its tokenizer's
+    <|endoftext|> (id 0) as EOS (transformers' default config names id 2, which this tokenizer spells `"`)."""
     served = tmp_path_factory.mktemp("served") / "tiny-llama"
     shutil.copytree(tiny_model("tiny-llama"), served)
     config = json.loads((served / "config.json").read_text())
-    (served / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 4096}))
+    (served / "config.json").write_text(json.dumps(config | {"max_position_embeddings": 4096, "eos_token_id": 0}))
+    generation = json.loads((served / "generation_config.json").read_text())
+    (served / "generation_config.json").write_text(json.dumps(generation | {"eos_token_id": 0}))
     tokenizer_config = json.loads((served / "tokenizer_config.json").read_text())
     (served / "tokenizer_config.json").write_text(json.dumps(tokenizer_config | {"chat_template": CHATML}))
     return served
