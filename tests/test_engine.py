@@ -8,6 +8,7 @@ import torch
 from runtime.engine import InvalidParams, SamplingParams
 from runtime.engine.detokenizer import OutputText
 from runtime.engine.model_config import ModelConfig, UnsupportedModel
+from runtime.engine.sampling_params import GrammarSpec
 
 PRESETS = ["tiny-llama", "tiny-qwen2", "tiny-qwen3"]
 PROMPTS = [[1 + i, 5, 9, 33 + i, 100, 7, 250][: 2 + i % 5] * (1 + i) for i in range(8)]  # 2..48 tokens
@@ -223,6 +224,34 @@ def test_stop_token_and_eos_end_with_stop(tiny_model, engine_factory):
     outs = asyncio.run(collect(engine, PROMPTS[1], max_tokens=10, temperature=0, stop_token_ids=[greedy[3]]))
     assert tokens(outs) == greedy[:greedy.index(greedy[3]) + 1]
     assert outs[-1].finish_reason == "stop" and outs[-1].completion_tokens == greedy.index(greedy[3]) + 1
+
+
+def test_grammar_requests_follow_their_schema_and_leave_the_rest_of_the_batch_alone(tiny_model, engine_factory):
+    """Requests with a JSON schema share steps with plain ones: every grammar output parses and validates,
+    the plain ones get the tokens they get alone, and steps still run ahead once the grammars are done."""
+    import json
+
+    import jsonschema
+
+    engine = engine_factory(tiny_model("tiny-llama"))
+    schema = {"type": "array", "items": {"enum": [1, 22, True, None]}, "minItems": 1, "maxItems": 4}
+    spec = GrammarSpec("json_schema", json.dumps(schema))
+    alone = [tokens(asyncio.run(collect(engine, p, max_tokens=24, temperature=0))) for p in PROMPTS[:4]]
+
+    async def mixed():
+        grammar = [collect(engine, PROMPTS[i % 8], max_tokens=40, seed=i, grammar=spec) for i in range(8)]
+        plain = [collect(engine, p, max_tokens=24, temperature=0) for p in PROMPTS[:4]]
+        return await asyncio.gather(*grammar, *plain)
+
+    results = asyncio.run(mixed())
+    for outs in results[:8]:
+        assert outs[-1].finish_reason == "stop"
+        jsonschema.validate(json.loads("".join(o.text for o in outs)), schema)
+    assert [tokens(outs) for outs in results[8:]] == alone
+    assert engine.stats().steps_run_ahead > 0 and engine.stats().kv_blocks_used == 0
+    with pytest.raises(InvalidParams) as err:
+        asyncio.run(collect(engine, [5, 6], grammar=GrammarSpec("json_schema", '{"type": "nonsense"}')))
+    assert err.value.param == "response_format"
 
 
 def test_async_scheduling_serves_exactly_what_one_step_at_a_time_serves(tiny_model, engine_factory):
