@@ -97,6 +97,8 @@ def start_engine(settings: Settings, timeline: Timeline) -> StartedEngine:
             return StartedEngine(engine, name, skipped)
         except SkipPath as why:
             skipped[name] = str(why)
+        except ConfigError:  # a bad setting fails every path alike: reported once, not fallen back from
+            raise
         except Exception as exc:  # a broken snapshot must never keep the function from starting
             log.exception("restore path %s failed; falling back", name)
             skipped[name] = f"failed: {type(exc).__name__}: {exc}"

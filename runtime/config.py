@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,15 +32,29 @@ def _optional_positive_int(text: str) -> int | None:
 
 def _fraction(text: str) -> float:
     value = float(text)
-    if not 0.0 < value <= 1.0:
+    if not 0.0 < value <= 1.0:  # NaN fails this too
         raise ValueError("must be in (0, 1]")
     return value
 
 
 def _positive_float(text: str) -> float:
     value = float(text)
-    if value < 0:
-        raise ValueError("must be >= 0")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError("must be a positive number")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError("must be a number >= 0")
+    return value
+
+
+def _part_mb(text: str) -> float:
+    value = _positive_float(text)
+    if value * 2**20 < 1024:
+        raise ValueError("must be at least 1 KiB (0.001)")
     return value
 
 
@@ -68,6 +83,13 @@ def _optional_path(text: str) -> Path | None:
 
 def _optional_str(text: str) -> str | None:
     return text or None
+
+
+def _api_key(text: str) -> str:
+    # An empty key would silently leave /v1 open: a deployment that meant to set one must not start.
+    if not text.strip():
+        raise ValueError("must not be empty (unset API_KEY to serve without a key)")
+    return text
 
 
 def _port(text: str) -> int:
@@ -106,8 +128,9 @@ class Settings:
     s3_concurrency: int = _setting(
         "S3_CONCURRENCY", _positive_int, 16, "S3 ranged GETs (and multipart upload parts) in flight")
     s3_part_mb: float = _setting(
-        "S3_PART_MB", _positive_float, 16.0, "size of one S3 ranged GET or multipart upload part (MiB)")
-    api_key: str | None = _setting("API_KEY", _optional_str, None, "require this bearer token (unset: open)")
+        "S3_PART_MB", _part_mb, 16.0, "size of one S3 ranged GET or multipart upload part (MiB)")
+    api_key: str | None = _setting(
+        "API_KEY", _api_key, None, "require this bearer token (unset: open; an empty value is refused)")
     max_model_len: int | None = _setting(
         "MAX_MODEL_LEN", _optional_positive_int, None, "context length (default: the model's, at most 4096)")
     max_num_seqs: int | None = _setting(
@@ -148,7 +171,7 @@ class Settings:
         "LAMBDA_INVOKE_MODE", _choice("buffered", "response_stream"), "buffered",
         "on AWS Lambda: how HTTP responses go back; match the Function URL's InvokeMode")
     shutdown_grace_s: float = _setting(
-        "SHUTDOWN_GRACE_S", _positive_float, 30.0, "on SIGTERM, how long in-flight requests may finish")
+        "SHUTDOWN_GRACE_S", _non_negative_float, 30.0, "on SIGTERM, how long in-flight requests may finish")
     log_level: str = _setting(
         "LOG_LEVEL", _choice("debug", "info", "warning", "error"), "info", "debug, info, warning or error")
 

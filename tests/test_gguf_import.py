@@ -205,3 +205,11 @@ def test_server_without_model_serves_the_embedded_smollm2(tmp_path, monkeypatch)
         assert stages["model_source"]["end_s"] <= stages["tokenizer"]["start_s"]
     finally:
         server.stop()
+
+
+def test_faas_build_quiet_draws_no_bar_while_dequantising(gguf_path, tmp_path):
+    from tests.test_weights import faas_build
+
+    done = faas_build("--model", str(gguf_path), "--out", str(tmp_path / "layout"), "--dtype", "float32", "--quiet")
+    assert done.returncode == 0, done.stderr
+    assert "dequantising" not in done.stderr and "it/s" not in done.stderr and "%|" not in done.stderr

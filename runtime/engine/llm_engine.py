@@ -19,6 +19,7 @@ from typing import AsyncIterator, Callable, Protocol
 import torch
 
 from runtime import timeline as stages
+from runtime.config import ConfigError
 from runtime.engine.block_manager import BlockManager
 from runtime.engine.detokenizer import OutputText
 from runtime.engine.engine_config import EngineConfig
@@ -134,8 +135,8 @@ class Engine:
             with timeline.stage(stages.KERNEL_PREP):
                 prepare_kernels()
         if config.max_model_len and config.max_model_len > model_config.max_position_embeddings:
-            raise InvalidParams("max_model_len", f"MAX_MODEL_LEN={config.max_model_len} is longer than the "
-                                f"model's {model_config.max_position_embeddings} positions")
+            raise ConfigError(f"MAX_MODEL_LEN={config.max_model_len}: must be at most the model's context, "
+                              f"{model_config.max_position_embeddings} positions")
         return engine
 
     def start(self, kv_blocks: int | None = None, graph_restorer: GraphRestorer | None = None,

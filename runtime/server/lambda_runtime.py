@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import os
+import sys
 import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -29,6 +30,7 @@ import h11
 import orjson
 from starlette.types import ASGIApp
 
+from runtime.config import ConfigError
 from runtime.logs import get_logger
 from runtime.server.handler import Handler, LambdaContext
 from runtime.server.lambda_http import (
@@ -229,6 +231,11 @@ async def _run(api: RuntimeAPI, app: ASGIApp, state: AppState, handler: Handler,
                start_engine: Callable[[], StartedEngine]) -> int:
     try:
         started = await asyncio.to_thread(start_engine)
+    except ConfigError as exc:  # a setting only the model could check: one line, exit 2
+        print(f"faas-bootstrap: {exc}", file=sys.stderr, flush=True)
+        state.mark_failed(str(exc))
+        await api.init_error(LambdaError("Runtime.ConfigError", str(exc)))
+        return 2
     except Exception as exc:
         log.exception("init failed")
         state.mark_failed(f"{type(exc).__name__}: {exc}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import sys
 import threading
 from types import FrameType
 from typing import Any, Callable, TypeVar
@@ -12,7 +13,7 @@ from typing import Any, Callable, TypeVar
 import uvicorn
 from starlette.types import ASGIApp
 
-from runtime.config import Settings
+from runtime.config import ConfigError, Settings
 from runtime.logs import get_logger
 from runtime.server.state import AppState, StartedEngine
 
@@ -27,6 +28,7 @@ class _Server(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, state: AppState) -> None:
         super().__init__(config)
         self.state = state
+        self.failed_status = 1  # the exit status if the engine does not start: 2 for a bad setting
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # Health turns 503 and requests on kept-alive connections are refused; uvicorn closes the listener
@@ -56,13 +58,19 @@ async def _serve(server: _Server, state: AppState, start_engine: StartEngine) ->
         starting.result().shutdown()
     else:  # SIGTERM while the engine was still starting: its daemon thread dies with the process
         starting.cancel()
-    return 1 if state.phase == "failed" else 0
+    return server.failed_status if state.phase == "failed" else 0
 
 
 async def _start(server: _Server, state: AppState, start_engine: StartEngine) -> Any:
     """Runs the start path off the event loop, so that /health answers 503 meanwhile; returns the engine."""
     try:
         started = await _in_daemon_thread(start_engine)
+    except ConfigError as exc:  # a setting only the model could check (MAX_MODEL_LEN): one line, exit 2
+        print(f"faas-bootstrap: {exc}", file=sys.stderr, flush=True)
+        state.mark_failed(str(exc))
+        server.failed_status = 2
+        server.should_exit = True
+        return None
     except Exception as exc:
         log.exception("the engine failed to start")
         state.mark_failed(f"{type(exc).__name__}: {exc}")

@@ -46,9 +46,10 @@ _BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _CONTROL, _USER_DEFINED = 3, 4
 
 
-def import_gguf(gguf_path: Path, out_dir: Path) -> Path:
+def import_gguf(gguf_path: Path, out_dir: Path, progress: bool = True) -> Path:
     """Write the Hugging Face model directory `out_dir` for the llama GGUF `gguf_path`; returns `out_dir`.
-    Written under a temporary name beside it and renamed, so an interrupted import leaves nothing."""
+    Written under a temporary name beside it and renamed, so an interrupted import leaves nothing.
+    `progress`: draw a bar while dequantising."""
     from gguf import GGUFReader
 
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
@@ -66,7 +67,7 @@ def import_gguf(gguf_path: Path, out_dir: Path) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)  # this process's own, from an import that failed earlier
     tmp.mkdir()
     try:
-        _write_weights(reader, config, tmp / "model.safetensors")
+        _write_weights(reader, config, tmp / "model.safetensors", progress)
         _write_json(tmp / "config.json", config)
         _write_json(tmp / "generation_config.json", {
             k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in config})
@@ -158,7 +159,7 @@ def unpermute_rotary_rows(weight: "np.ndarray", n_heads: int) -> "np.ndarray":
             .swapaxes(1, 2).reshape(weight.shape))
 
 
-def _write_weights(reader: "GGUFReader", config: dict[str, Any], path: Path) -> None:
+def _write_weights(reader: "GGUFReader", config: dict[str, Any], path: Path, progress: bool) -> None:
     import numpy as np
     from gguf.quants import dequantize
     from safetensors.numpy import save_file
@@ -166,7 +167,7 @@ def _write_weights(reader: "GGUFReader", config: dict[str, Any], path: Path) -> 
 
     heads = {"self_attn.q_proj": config["num_attention_heads"], "self_attn.k_proj": config["num_key_value_heads"]}
     tensors = {}
-    for t in tqdm(reader.tensors, desc="dequantising", unit="tensor", leave=False):
+    for t in tqdm(reader.tensors, desc="dequantising", unit="tensor", leave=False, disable=not progress):
         name = hf_tensor_name(t.name)
         weight = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
         # shape is GGUF order (fastest dimension first); numpy's is the reverse

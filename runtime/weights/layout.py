@@ -93,7 +93,7 @@ def _local_source(source: str, scratch: Path, store: S3Store | None, progress: b
         from runtime.weights.gguf_import import GGUFImportError, import_gguf
 
         try:
-            return import_gguf(path, scratch / "imported"), content_hash([path], path.parent)
+            return import_gguf(path, scratch / "imported", progress), content_hash([path], path.parent)
         except GGUFImportError as exc:
             raise WeightsError(str(exc)) from None
     if path.is_file():

@@ -21,6 +21,13 @@ from tests.server.conftest import REPO, bootstrap_command, server_env, start_ser
     (["--model", "/no/such/model"], {}, "MODEL='/no/such/model': no such file or directory"),
     ([], {"HANDLER": "no_such_module:handler"}, "HANDLER='no_such_module:handler': cannot import"),
     (["--flag-that-does-not-exist", "1"], {}, "unknown argument"),
+    ([], {"S3_PART_MB": "0"}, "S3_PART_MB='0': must be a positive number"),
+    ([], {"CACHE_MAX_GB": "0"}, "CACHE_MAX_GB='0': must be a positive number"),
+    ([], {"GPU_MEMORY_UTILIZATION": "nan"}, "GPU_MEMORY_UTILIZATION='nan': must be in (0, 1]"),
+    ([], {"SHUTDOWN_GRACE_S": "-1"}, "SHUTDOWN_GRACE_S='-1': must be a number >= 0"),
+    ([], {"MAX_NUM_SEQS": "0"}, "MAX_NUM_SEQS='0': must be a positive integer"),
+    ([], {"API_KEY": ""}, "API_KEY='': must not be empty"),
+    (["--api-key", " "], {}, "--api-key=' ': must not be empty"),
 ])
 def test_bad_settings_fail_fast_with_one_line(argv, env, message):
     r = subprocess.run(bootstrap_command() + argv, cwd=REPO, env=server_env(**env), capture_output=True,
@@ -86,6 +93,16 @@ def test_engine_that_cannot_start_exits_1(tiny_model_dir, tmp_path):
     server = start_server(tmp_path, "broken", MODEL=str(model))
     assert server.process.wait(60) == 1
     assert "the engine failed to start" in server.log() and "GPT2LMHeadModel" in server.log()
+
+
+def test_context_longer_than_the_model_exits_2_with_one_line(tiny_model_dir, tmp_path):
+    """MAX_MODEL_LEN is checked against the model once it is read (after listening): the same one line and
+    exit 2 as any other bad setting, no traceback."""
+    server = start_server(tmp_path, "too-long", MODEL=str(tiny_model_dir), MAX_MODEL_LEN="100000")
+    assert server.process.wait(60) == 2
+    lines = [line for line in server.log().splitlines() if line.startswith("faas-bootstrap: ")]
+    assert lines == ["faas-bootstrap: MAX_MODEL_LEN=100000: must be at most the model's context, 4096 positions"]
+    assert "Traceback" not in server.log()
 
 
 def test_custom_handler(tiny_model_dir, tmp_path):
