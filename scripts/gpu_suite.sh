@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# The GPU figures of docs/benchmarks.md and the GPU tests, in steps, on a CUDA machine that may have no
+# network: Python packages from a folder of wheels, criu from .deb files (scripts/install_criu.sh
+# --download-only), models of real shapes with random weights (scripts/model_shapes.py).
+#
+#   scripts/gpu_suite.sh STEP...        e.g. setup tests coldstart:qwen2-1.5b coldstart:llama-3-8b
+#
+# Steps:
+#   setup               wheels from $WHEELS (default .whl, if present) into /tmp/site, criu from $DEBS
+#                       (default .debs), the loader's native reader compiled in place
+#   tests               every GPU-marked test; pytest's -rA output and junit XML into $RESULTS
+#   model:SHAPE         a random-weight model directory of SHAPE in $MODELS (seed 0)
+#   bake:SHAPE          faas-build: its layout and every snapshot this machine can bake (timed in turns)
+#   coldstart:SHAPE     faas-bench coldstart over every restore path and transformers, page cache warm
+#   coldstart-dropped:SHAPE   the same with the page cache dropped before each start
+#   serving:SHAPE       scripts/bench_serving.py (throughput, prefix caching, chunked prefill)
+#   switch              faas-bench switch (several models in one instance)
+#
+# Results (JSON, PNG, logs, junit) go to $RESULTS (default results/). Each step prints what it runs.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+RESULTS=${RESULTS:-results}
+MODELS=${MODELS:-/tmp/thawllm-models}
+WHEELS=${WHEELS:-.whl}
+DEBS=${DEBS:-.debs}
+REPEAT=${REPEAT:-3}
+PY=${PYTHON:-python3}
+mkdir -p "$RESULTS" "$MODELS"
+export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+say() { echo "gpu_suite [$(date +%T)] $*"; }
+
+setup() {
+    if [ -d "$WHEELS" ]; then
+        say "installing $(ls "$WHEELS"/*.whl | wc -l) wheels from $WHEELS into /tmp/site"
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+            "$WHEELS"/*.whl
+    fi
+    if [ -d "$DEBS" ] && [ "$(id -u)" = 0 ]; then
+        say "installing criu from $DEBS"
+        bash scripts/install_criu.sh --from "$DEBS"
+    fi
+    local suffix
+    suffix=$("$PY" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+    say "compiling the native reader"
+    cc -O2 -shared -fPIC runtime/weights/native_reader.c -ldl -o "runtime/weights/_native_reader$suffix"
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+}
+
+tests() {
+    say "GPU tests"
+    "$PY" -m pytest -q -rA -m gpu --junitxml="$RESULTS/gpu-tests.xml" tests 2>&1 | tee "$RESULTS/gpu-tests.txt"
+}
+
+model_dir() { echo "$MODELS/$1"; }
+
+model() {
+    say "model $1"
+    "$PY" -c "from pathlib import Path; from scripts.model_shapes import make_random_model_dir as m; \
+m(Path('$(model_dir "$1")'), '$1')"
+}
+
+bake() {
+    local shape=$1 dir
+    dir=$(model_dir "$shape")
+    [ -d "$dir" ] || model "$shape"
+    rm -rf "$dir-baked"
+    say "faas-build $shape"
+    "$PY" -m snapshots.build --model "$dir" --out "$dir-baked/layout" --snapshot-dir "$dir-baked/snapshots" \
+        --quiet 2>&1 | tee "$RESULTS/bake-$shape.txt"
+}
+
+coldstart() {
+    local shape=$1 cache=$2 dir
+    dir=$(model_dir "$shape")
+    [ -d "$dir-baked" ] || bake "$shape"
+    local name="coldstart-h100-$shape"
+    [ "$cache" = dropped ] && name="$name-dropped"
+    say "faas-bench coldstart $shape (page cache $cache)"
+    "$PY" -m runtime.bench.cli coldstart --model "$dir-baked/layout" --baseline-model "$dir" \
+        --snapshot-dir "$dir-baked/snapshots" --device cuda --repeat "$REPEAT" --page-cache "$cache" \
+        --out "$RESULTS/$name"
+}
+
+serving() {
+    local dir
+    dir=$(model_dir "$1")
+    [ -d "$dir" ] || model "$1"
+    say "bench_serving $1"
+    "$PY" scripts/bench_serving.py --model "$dir" --out "$RESULTS/serving-h100-$1.json"
+}
+
+switch() {
+    say "faas-bench switch"
+    "$PY" -m runtime.bench.cli switch --models-dir "$MODELS" --device cuda --out "$RESULTS/switch-h100"
+}
+
+for step in "$@"; do
+    case $step in
+        setup) setup ;;
+        tests) tests ;;
+        model:*) model "${step#model:}" ;;
+        bake:*) bake "${step#bake:}" ;;
+        coldstart:*) coldstart "${step#coldstart:}" warm ;;
+        coldstart-dropped:*) coldstart "${step#coldstart-dropped:}" dropped ;;
+        serving:*) serving "${step#serving:}" ;;
+        switch) switch ;;
+        *) echo "gpu_suite: unknown step $step" >&2; exit 2 ;;
+    esac
+done
+say "done"
