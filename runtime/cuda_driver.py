@@ -34,15 +34,22 @@ def allocation_prop(device: int, exportable: bool = False):
     return prop
 
 
+def granularity(prop) -> int:
+    """The recommended granularity of mappings of PROP's memory (2 MiB on the H100)."""
+    from cuda.bindings import driver as d
+
+    recommended = d.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
+    return int(call(d.cuMemGetAllocationGranularity(prop, recommended), "cuMemGetAllocationGranularity"))
+
+
 def reserve(prop, nbytes: int) -> tuple[int, int]:
     """(address, size) of a reserved range for NBYTES, the size rounded up to the recommended granularity:
     a releasable range and the memory exported for it are sized alike."""
     from cuda.bindings import driver as d
 
-    granularity = call(d.cuMemGetAllocationGranularity(
-        prop, d.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED), "cuMemGetAllocationGranularity")
-    size = -(-max(nbytes, 1) // granularity) * granularity
-    return int(call(d.cuMemAddressReserve(size, granularity, 0, 0), "cuMemAddressReserve")), size
+    step = granularity(prop)
+    size = -(-max(nbytes, 1) // step) * step
+    return int(call(d.cuMemAddressReserve(size, step, 0, 0), "cuMemAddressReserve")), size
 
 
 def map_range(ptr: int, size: int, handle, device: int) -> None:

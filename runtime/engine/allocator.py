@@ -2,13 +2,15 @@
 
 The order and sizes are a pure function of (model, engine config, GPU type), which is what lets a
 materialised CUDA graph name its buffers as (allocation index, offset) at bake time and find them again at
-boot (snapshots/cudagraph). A later multi-model pool can implement `alloc` over one large arena that hands
-out both weight and KV memory; nothing else in the engine allocates long-lived device memory.
+boot (snapshots/cudagraph). A multi-model pool (runtime/pool) hands the engine a `MemoryProvider`: the
+buffers it provides (the weights, the KV cache) live in memory the pool can give back and map again at the
+same addresses; nothing else in the engine allocates long-lived device memory.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Protocol
 
 import torch
 
@@ -24,9 +26,15 @@ class Allocation:
         return asdict(self)
 
 
+class MemoryProvider(Protocol):
+    def alloc(self, name: str, nbytes: int) -> torch.Tensor | None:
+        """A flat uint8 buffer of at least `nbytes` for allocation NAME, or None: the allocator makes it."""
+
+
 class DeviceAllocator:
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, provider: MemoryProvider | None = None) -> None:
         self.device = device
+        self.provider = provider
         self.log: list[Allocation] = []
         self._buffers: list[torch.Tensor] = []
         self._releasable: dict = {}  # name -> ReleasableBuffer
@@ -34,7 +42,10 @@ class DeviceAllocator:
     def alloc(self, name: str, nbytes: int, releasable: bool = False) -> torch.Tensor:
         """A flat uint8 buffer of `nbytes`, kept alive for the engine's lifetime. A `releasable` one (CUDA
         only) can give its physical memory back and get new memory at the same address (runtime/engine/vmm.py)."""
-        if releasable:
+        provided = self.provider.alloc(name, nbytes) if self.provider is not None else None
+        if provided is not None:
+            buffer = provided
+        elif releasable:
             from runtime.engine.vmm import ReleasableBuffer
 
             owner = ReleasableBuffer(nbytes, self.device)

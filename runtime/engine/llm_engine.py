@@ -20,6 +20,7 @@ import torch
 
 from runtime import timeline as stages
 from runtime.config import ConfigError
+from runtime.engine.allocator import MemoryProvider
 from runtime.engine.block_manager import BlockManager
 from runtime.engine.detokenizer import OutputText
 from runtime.engine.engine_config import EngineConfig
@@ -140,12 +141,14 @@ class Engine:
         return engine
 
     def start(self, kv_blocks: int | None = None, graph_restorer: GraphRestorer | None = None,
-              capture_graphs: bool = True, releasable_memory: bool = False) -> None:
+              capture_graphs: bool = True, releasable_memory: bool = False,
+              memory: MemoryProvider | None = None) -> None:
         """Device phase. With `kv_blocks` and `graph_restorer` (materialised state) the KV profile and the
         graph capture are skipped: the KV cache, and the graphs when the restorer says so, are set up before the
         weights stream in (else beside them); without them, like vLLM: load, then profile, then capture.
         `capture_graphs=False` leaves the graphs to the caller (faas-build materialises them).
-        `releasable_memory` puts the weights and the KV cache where `release_device_memory` can free them."""
+        `releasable_memory` puts the weights and the KV cache where `release_device_memory` can free them.
+        `memory`: where the weights and the KV cache live when a multi-model pool owns them (runtime/pool)."""
         t = self.timeline
         if graph_restorer is not None:
             graph_restorer.read_ahead()  # while CUDA initialises, which leaves the GIL free most of the time
@@ -154,7 +157,7 @@ class Engine:
             if device.type == "cuda":
                 torch.cuda.init()
                 torch.empty(1, device=device)
-        runner = ModelRunner(self.model, self.model_config, self.config, self.max_model_len)
+        runner = ModelRunner(self.model, self.model_config, self.config, self.max_model_len, memory)
         self.runner = runner
         buffer = runner.allocate_weights(self.plan, releasable_memory)
         graphs = bool(runner.graph_batch_sizes) and (capture_graphs or graph_restorer is not None)
@@ -233,6 +236,16 @@ class Engine:
             log.warning("graph for batch size %d not restored (%s): its batches run on a larger graph or eagerly",
                         bs, why)
         self.graph_fallbacks.update(fallbacks)
+
+    @property
+    def weights_loader(self) -> LoadWeights:
+        """What fills the weight buffer (a multi-model pool streams evicted parts back with it)."""
+        return self._load_weights
+
+    @property
+    def idle(self) -> bool:
+        """No request scheduled and no step in flight."""
+        return not self.scheduler.has_work() and self._in_flight is None and self._inbox.empty()
 
     def wait_for_graphs(self, timeout: float | None = None) -> bool:
         """Wait until the graphs left for after ready are built; False if `timeout` ran out first."""

@@ -11,7 +11,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from runtime.engine.allocator import DeviceAllocator
+from runtime.engine.allocator import DeviceAllocator, MemoryProvider
 from runtime.engine.attention_metadata import AttentionMetadata
 from runtime.engine.block_manager import BlockManager
 from runtime.engine.decode_inputs import DecodeBuffers, DecodeStaging
@@ -59,13 +59,13 @@ class Replayable(Protocol):
 
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, model_config: ModelConfig, config: EngineConfig,
-                 max_model_len: int) -> None:
+                 max_model_len: int, memory: MemoryProvider | None = None) -> None:
         self.model = model
         self.model_config = model_config
         self.config = config
         self.device = torch.device(config.device)
         self.dtype = torch_dtype(config.dtype)
-        self.allocator = DeviceAllocator(self.device)
+        self.allocator = DeviceAllocator(self.device, memory)
         self.max_model_len = max_model_len
         self.max_blocks_per_seq = -(-max_model_len // config.block_size)
         self.reserved_blocks = 1 if config.use_cuda_graphs else 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from runtime.cuda_driver import DriverError, allocation_prop, call, map_range, reserve
+from runtime.cuda_driver import DriverError, allocation_prop, call, granularity, map_range, reserve
 
 
 class ReleasableBuffer:
@@ -80,3 +80,47 @@ class _CudaArray:
         self.owner = owner
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
                                          "version": 3, "strides": None}
+
+
+class MappedRange:
+    """A reserved device address range whose parts are backed separately: `map(start, end)` puts new
+    physical memory under bytes [start, end) (granule-aligned), `unmap(start, end)` gives that memory back.
+    The addresses never move, so views of the range (parameters, KV caches) and CUDA graphs that read it
+    stay valid across an unmap and a map; what the part held is lost. A multi-model pool backs each
+    model's weights and KV cache with one (runtime/pool)."""
+
+    def __init__(self, nbytes: int, device: torch.device) -> None:
+        from cuda.bindings import driver
+
+        self._driver = driver
+        self.device_index = device.index if device.index is not None else torch.cuda.current_device()
+        self._prop = allocation_prop(self.device_index)
+        self.ptr, self.size = reserve(self._prop, nbytes)
+        self.granule = granularity(self._prop)
+        self._handles: dict[int, tuple[int, object]] = {}  # start -> (end, handle)
+        self.tensor = torch.as_tensor(_CudaArray(self.ptr, self.size, self), device=device)
+
+    def map(self, start: int, end: int) -> None:
+        if start % self.granule or end % self.granule or not 0 <= start < end <= self.size:
+            raise DriverError(f"map: bytes {start}-{end} are not whole granules of a {self.size}-byte range")
+        handle = call(self._driver.cuMemCreate(end - start, self._prop, 0), "cuMemCreate")
+        try:
+            map_range(self.ptr + start, end - start, handle, self.device_index)
+        except DriverError:
+            call(self._driver.cuMemRelease(handle), "cuMemRelease")
+            raise
+        self._handles[start] = (end, handle)
+
+    def unmap(self, start: int, end: int) -> None:
+        """Nothing may read the part any more: the device is synchronised first."""
+        mapped_end, handle = self._handles.pop(start)
+        if mapped_end != end:
+            raise DriverError(f"unmap: bytes {start}-{end}, but {start}-{mapped_end} were mapped")
+        torch.cuda.synchronize(self.device_index)
+        call(self._driver.cuMemUnmap(self.ptr + start, end - start), "cuMemUnmap")
+        call(self._driver.cuMemRelease(handle), "cuMemRelease")
+
+    def close(self) -> None:
+        for start, (end, _) in list(self._handles.items()):
+            self.unmap(start, end)
+        call(self._driver.cuMemAddressFree(self.ptr, self.size), "cuMemAddressFree")

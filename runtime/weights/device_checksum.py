@@ -131,24 +131,36 @@ class DeviceCheck:
     held a reader for ~2 ms. So the chunk table goes to the GPU once, before the load, a launch is one
     kernel over a group, and the results come back in one copy."""
 
-    def __init__(self, manifest: "Manifest", buffer: "torch.Tensor", group_bytes: int = GROUP_BYTES) -> None:
+    def __init__(self, manifest: "Manifest", buffer: "torch.Tensor", group_bytes: int = GROUP_BYTES,
+                 only: frozenset[int] | None = None) -> None:
+        """ONLY: the chunks of the load (indices over the files' chunks in order) when it is a subset."""
         import torch
 
         self.manifest = manifest
         self.buffer = buffer
         spans: list[tuple[int, int]] = []
         self._where: list[tuple[int, int]] = []  # (file, chunk in file) of each chunk of the load
+        self._index: dict[int, int] = {}  # a chunk's index over all files -> its index among the load's
+        expected: list[str] = []
         groups: list[list[int]] = []
+        whole = -1
         for f, entry in enumerate(manifest.files):
             size = group_bytes
             for j, (off, n) in enumerate(entry.chunks()):
-                if j == 0 or size + n > group_bytes:
+                whole += 1
+                if only is not None and whole not in only:
+                    size = group_bytes  # a gap: the next chunk of the load starts a group
+                    continue
+                self._index[whole] = len(spans)
+                expected.append(entry.device_sums[j])
+                if not groups or j == 0 or size + n > group_bytes:
                     groups.append([])
                     size = 0
                 groups[-1].append(len(spans))
                 size += n
                 spans.append((entry.buffer_offset + off, n))
                 self._where.append((f, j))
+        self._expected = expected
         self._group_of = [g for g, members in enumerate(groups) for _ in members]
         self._range = [(members[0], members[-1] + 1) for members in groups]
         self._left = [len(members) for members in groups]
@@ -163,9 +175,9 @@ class DeviceCheck:
         self._lock = threading.Lock()  # one launcher at a time: Triton's first launch is not thread-safe
 
     def chunk_landed(self, chunk: int, events: list) -> None:
-        """Chunk `chunk` of the load (files' chunks in order) is copied once `events` complete; after the last
-        chunk of its group the group's checksums are launched."""
-        g = self._group_of[chunk]
+        """Chunk `chunk` (files' chunks in order) is copied once `events` complete; after the last chunk of its
+        group the group's checksums are launched."""
+        g = self._group_of[self._index[chunk]]
         with self._lock:
             self._events[g] += [e for e in events if not any(e is seen for seen in self._events[g])]
             self._left[g] -= 1
@@ -186,5 +198,4 @@ class DeviceCheck:
         if unchecked:
             raise RuntimeError(f"files {unchecked} were never checked")
         got = add_partials(self._partials.cpu().numpy())
-        expected = [s for entry in self.manifest.files for s in entry.device_sums]
-        return [self._where[i] for i, (a, b) in enumerate(zip(got, expected)) if a != b]
+        return [self._where[i] for i, (a, b) in enumerate(zip(got, self._expected)) if a != b]

@@ -14,7 +14,9 @@ buffers, so hashing scales with the readers). A chunk that fails its check fails
 naming the file: the model is never used half-wrong.
 
 `wait_tensor(name)` returns as soon as that tensor's chunks are in place, so a caller may use the first
-layers while the last ones stream; `wait()` is the end of the whole load.
+layers while the last ones stream; `wait()` is the end of the whole load. A load may be a subset of the
+chunks (`only`): a multi-model pool (runtime/pool) streams back just the groups of a model it had evicted,
+verified as a whole load is.
 """
 
 from __future__ import annotations
@@ -123,9 +125,11 @@ class WeightStream:
     """One load in flight: the object `LoadWeights` returns."""
 
     def __init__(self, manifest: Manifest, sources: list, sink: "Sink", options: LoaderOptions,
-                 where: str, timeline: Timeline | None = None) -> None:
-        """SINK: where the bytes go (runtime/weights/sinks.py)."""
+                 where: str, timeline: Timeline | None = None, only: frozenset[int] | None = None) -> None:
+        """SINK: where the bytes go (runtime/weights/sinks.py); ONLY: the chunks to load (layout_chunks
+        indices), None for all."""
         self.manifest = manifest
+        self.only = only
         self.sources = sources
         self.sink = sink
         self.options = options
@@ -155,8 +159,12 @@ class WeightStream:
         own, so that the readers finish together (with 64 MiB chunks, a 3 GiB model's last round of chunks
         kept a few readers busy for ~30 ms while the others idled)."""
         step = self.options.read_bytes
-        pieces = [list(range(0, c.length, step)) for c in self.chunks]
+        pieces = [list(range(0, c.length, step)) if self.only is None or i in self.only else []
+                  for i, c in enumerate(self.chunks)]
         for i, offsets in enumerate(pieces):
+            if not offsets:
+                self._landed[i].set()  # not part of this load: already in place
+                continue
             for item in [offsets] if self.verified == "host" else [[o] for o in offsets]:
                 self._todo.put((i, item))
         return [len(offsets) for offsets in pieces]
@@ -167,7 +175,7 @@ class WeightStream:
         if not (self.options.verify and self.options.verify_on_device and self.manifest.has_device_sums
                 and all(source.tier == "disk" for source in self.sources)):
             return None
-        return self.sink.device_check(self.manifest)
+        return self.sink.device_check(self.manifest, self.only)
 
     # -- the caller's side -------------------------------------------------------------------------
 
@@ -196,6 +204,11 @@ class WeightStream:
             self._raise_if_corrupt([(f, j, "device checksum") for f, j in self.device_check.mismatches()])
         self._report()
         return self
+
+    @property
+    def bytes(self) -> int:
+        """The bytes this load streams."""
+        return sum(c.length for i, c in enumerate(self.chunks) if self.only is None or i in self.only)
 
     def tier_stats(self) -> dict[str, dict]:
         return {tier: s.as_detail() for tier, s in self._stats.items()}
@@ -283,7 +296,7 @@ class WeightStream:
     def _report(self) -> None:
         tiers = self.tier_stats()
         seconds = time.time() - self.started
-        total = self.manifest.total_bytes
+        total = self.bytes
         log.info("weights: %.2f GiB in %.3fs (%.2f GiB/s, verified: %s, reads: %s) %s", total / 2**30, seconds,
                  total / max(seconds, 1e-9) / 2**30, self.verified, self.reads,
                  " ".join(f"{k}={v['gib_s']}GiB/s" for k, v in tiers.items()))
@@ -295,14 +308,15 @@ class WeightStream:
 
 
 def stream_layout(manifest: Manifest, sources: list, plan: WeightPlan, buffer: "torch.Tensor",
-                  options: LoaderOptions, where: str, timeline: Timeline | None = None) -> WeightStream:
+                  options: LoaderOptions, where: str, timeline: Timeline | None = None,
+                  only: frozenset[int] | None = None) -> WeightStream:
     from runtime.weights.sinks import HostSink, TorchCudaSink
 
     check_plan(manifest, plan, where)
     if buffer.numel() < manifest.total_bytes:
         raise WeightsError(f"{where}: weight buffer of {buffer.numel()} bytes, the layout has {manifest.total_bytes}")
     sink = TorchCudaSink(buffer) if buffer.device.type == "cuda" else HostSink(buffer)
-    return WeightStream(manifest, sources, sink, options, where, timeline)
+    return WeightStream(manifest, sources, sink, options, where, timeline, only)
 
 
 class LayoutLoader:
@@ -320,7 +334,8 @@ class LayoutLoader:
         self.cache = cache
         self.store = store
 
-    def __call__(self, plan: WeightPlan, buffer: "torch.Tensor") -> WeightStream:
+    def __call__(self, plan: WeightPlan, buffer: "torch.Tensor", only: frozenset[int] | None = None) -> WeightStream:
+        """Stream the layout into BUFFER; ONLY: just these chunks (layout_chunks indices)."""
         from runtime.weights.sources import open_sources
 
         s3 = self.store or S3Store()  # boto3 is imported only if a file is streamed from S3
@@ -329,7 +344,8 @@ class LayoutLoader:
         if any(source.tier == "s3" for source in sources):  # S3 settings: GETs in flight and their size
             options = dataclasses.replace(options, threads=s3.options.concurrency, read_bytes=s3.options.part_bytes)
         try:
-            return stream_layout(self.manifest, sources, plan, buffer, options, str(self.layout_dir), self.timeline)
+            timeline = self.timeline if only is None else None  # a partial load is not the start's weights stage
+            return stream_layout(self.manifest, sources, plan, buffer, options, str(self.layout_dir), timeline, only)
         except BaseException:
             for source in sources:
                 source.close(False)

@@ -39,7 +39,7 @@ class Sink(Protocol):
 
     def writer(self, slot_bytes: int, slots: int, ring_slot_bytes: int) -> Writer: ...  # 0: no native reads
     def wait_copies(self, events: list) -> None: ...
-    def device_check(self, manifest: "Manifest") -> "DeviceCheck | None": ...
+    def device_check(self, manifest: "Manifest", only: frozenset[int] | None = None) -> "DeviceCheck | None": ...
 
 
 def check_bounds(dst: int, n: int, size: int) -> None:
@@ -67,7 +67,7 @@ class HostSink:
     def wait_copies(self, events: list) -> None:
         pass
 
-    def device_check(self, manifest: "Manifest") -> None:
+    def device_check(self, manifest: "Manifest", only: frozenset[int] | None = None) -> None:
         return None
 
 
@@ -134,10 +134,10 @@ class TorchCudaSink:
         for event in events:
             stream.wait_event(event)
 
-    def device_check(self, manifest: "Manifest") -> "DeviceCheck":
+    def device_check(self, manifest: "Manifest", only: frozenset[int] | None = None) -> "DeviceCheck":
         from runtime.weights.device_checksum import DeviceCheck
 
-        return DeviceCheck(manifest, self.buffer)
+        return DeviceCheck(manifest, self.buffer, only=only)
 
 
 class _TorchCudaWriter:
@@ -233,7 +233,7 @@ class DriverSink:
     def wait_copies(self, events: list) -> None:
         pass
 
-    def device_check(self, manifest: "Manifest") -> None:
+    def device_check(self, manifest: "Manifest", only: frozenset[int] | None = None) -> None:
         return None  # no torch or Triton in the restore helper: its chunks are hashed on the host
 
 

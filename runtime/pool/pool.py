@@ -1,0 +1,422 @@
+"""ModelPool: several models' engines on one device's memory, each made fully resident when it is asked
+for, the groups of models without requests in flight retained until the memory is needed.
+
+The pool owns memory, not serving: a server keeps one pool per device, `add`s each model's built engine,
+and around every request calls `hold` (its memory is never evicted while any request is in flight),
+`activate` (blocking, from a worker thread: returns once every weight of the model is in place), then
+`release`. `note_request` feeds the request rates of the eviction cost model (runtime/pool/eviction.py).
+How a switch proceeds and why is in docs/multi-model.md.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from runtime import timeline as stages
+from runtime.logs import get_logger
+from runtime.pool.errors import PoolError
+from runtime.pool.eviction import Item, evict_by_cost, group_value, lru_whole_models
+from runtime.pool.model_memory import ModelMemory
+
+log = get_logger("pool")
+
+POLICIES = ("cost", "lru")
+
+
+@dataclass
+class SwitchReport:
+    """What one `activate` did."""
+
+    model: str
+    first_start: bool  # the engine was started (device phase) by this activation
+    bytes_loaded: int  # weight bytes streamed
+    bytes_resident: int  # weight bytes that were already in place
+    bytes_evicted: int  # given back by other models (weights and idle KV caches)
+    evicted: dict[str, int] = field(default_factory=dict)  # model -> bytes it gave back
+    evict_s: float = 0.0
+    map_s: float = 0.0
+    stream_s: float = 0.0
+    kernels_s: float = 0.0  # loading kernel modules (first start on CUDA)
+    kernels_critical_s: float = 0.0  # of that, what the switch waited for
+    graphs_s: float = 0.0  # capturing or restoring CUDA graphs (first start)
+    total_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class ModelStats:
+    resident_bytes: int  # weight bytes in memory
+    retained_bytes: int  # of those, kept while the model has no request in flight
+    total_bytes: int  # weight bytes when fully resident
+    kv_bytes: int
+    held: int  # requests in flight
+    loads: int
+    switches: int
+    last_switch_s: float
+    switch_seconds: tuple[float, ...]  # every activation that loaded bytes, for a histogram
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    device: str
+    budget_bytes: int
+    used_bytes: int
+    free_bytes: int
+    models: dict[str, ModelStats]
+
+
+class ModelPool:
+    def __init__(self, device: torch.device, budget_bytes: int, policy: str = "cost") -> None:
+        """One per device. BUDGET_BYTES: what every model's weights, KV caches and engine buffers on the
+        device may take together (device_budget() derives it from the settings). POLICY: cost (Tangram's
+        cost model) or lru (whole models, least recently used first: the comparison)."""
+        if policy not in POLICIES:
+            raise PoolError(f"eviction policy {policy!r}: choose one of {', '.join(POLICIES)}")
+        self.device = torch.device(device)
+        self.budget_bytes = int(budget_bytes)
+        self.policy = policy
+        self._models: dict[str, ModelMemory] = {}
+        self._engines: dict = {}
+        self._graph_restorers: dict = {}
+        self._lock = threading.Lock()  # the accounting: short critical sections
+        self._switching = threading.Lock()  # one activation at a time: they share the device's bandwidth
+        self._last_active: str | None = None
+        self._granule = _granule(self.device)
+
+    # -- models ------------------------------------------------------------------------------------
+
+    def add(self, name: str, engine, graph_restorer=None) -> None:
+        """A built engine (Engine.build: CPU phase done, not started). Its device phase runs on its first
+        `activate`. Raises PoolError if the model can never fit in the pool."""
+        if name in self._models:
+            raise PoolError(f"model {name!r} is already in the pool")
+        loader = engine.weights_loader
+        manifest = getattr(loader, "manifest", None)
+        spans = None
+        if manifest is not None and hasattr(loader, "layout_dir"):
+            from runtime.weights.loader import layout_chunks
+
+            spans = [(c.buffer_offset, c.length) for c in layout_chunks(manifest)]
+        memory = ModelMemory(name, engine.plan, spans, self.device, self._granule)
+        least = memory.total_bytes + _min_kv_bytes(engine)
+        if least > self.budget_bytes:
+            raise PoolError(f"model {name!r} needs at least {_gib(least)} (weights and the KV cache of one "
+                            f"{engine.max_model_len}-token sequence), the pool holds {_gib(self.budget_bytes)}")
+        with self._lock:
+            self._models[name] = memory
+            self._engines[name] = engine
+            self._graph_restorers[name] = graph_restorer
+
+    def names(self) -> list[str]:
+        return list(self._models)
+
+    def engine(self, name: str):
+        return self._engines[self._model(name).name]
+
+    def hold(self, name: str) -> None:
+        """A request of NAME is in flight: none of its memory is evicted until the matching release."""
+        with self._lock:
+            self._model(name).held += 1
+
+    def release(self, name: str) -> None:
+        with self._lock:
+            m = self._model(name)
+            if m.held <= 0:
+                raise PoolError(f"model {name!r} released more often than held")
+            m.held -= 1
+
+    def note_request(self, name: str, now: float | None = None) -> None:
+        """A request for NAME arrived (its rate weighs the value of keeping its groups)."""
+        with self._lock:
+            self._model(name).note_request(now)
+
+    # -- activation --------------------------------------------------------------------------------
+
+    def activate(self, name: str) -> SwitchReport:
+        """Make NAME fully resident (starting its engine on the first call), evicting retained groups of
+        models without requests in flight when the pool is short. Blocking; raises PoolError if it cannot
+        fit now (other models' requests hold the memory)."""
+        with self._switching:
+            began = time.perf_counter()
+            m = self._model(name)
+            first = not m.started
+            with self._lock:
+                m.held += 1  # its own memory is not a candidate while it loads
+            try:
+                report = self._start(m) if first else self._reload(m)
+            finally:
+                with self._lock:
+                    m.held -= 1
+            report.total_s = time.perf_counter() - began
+            with self._lock:
+                m.last_used = time.monotonic()
+                if self._last_active not in (None, name):
+                    m.counters.switches += 1
+                self._last_active = name
+                if report.bytes_loaded:
+                    m.counters.loads += 1
+                    m.counters.bytes_loaded += report.bytes_loaded
+                    m.counters.last_switch_s = report.total_s
+                    m.counters.switch_seconds.append(report.total_s)
+            return report
+
+    def _reload(self, m: ModelMemory) -> SwitchReport:
+        missing = m.missing()
+        resident = m.resident_bytes
+        report = SwitchReport(m.name, False, 0, resident, 0)
+        need = m.mapped_bytes(set(range(len(m.groups)))) - resident + self._kv_to_restore(m)
+        self._make_room(need, m, report)
+        t = time.perf_counter()
+        self._restore_kv(m)
+        if missing:
+            m.map_groups(missing)
+        report.map_s = time.perf_counter() - t
+        if missing:
+            t = time.perf_counter()
+            report.bytes_loaded = self._stream(m, missing)
+            report.stream_s = time.perf_counter() - t
+            m.load_bytes_per_s = report.bytes_loaded / max(report.stream_s, 1e-9)
+        return report
+
+    def _stream(self, m: ModelMemory, groups: list[int]) -> int:
+        """Stream GROUPS back in, verified; returns the bytes streamed."""
+        engine = self._engines[m.name]
+        chunks = m.chunks_of(groups)
+        try:
+            if chunks:
+                load = engine.weights_loader(engine.plan, engine.runner.weight_buffer, only=chunks)
+            else:  # no layout: the loader can only fill the whole buffer (every segment is mapped)
+                load = engine.weights_loader(engine.plan, engine.runner.weight_buffer)
+            load.wait()
+            return getattr(load, "bytes", engine.plan.total_bytes)
+        except BaseException:
+            with self._lock:  # what did not arrive verified must not be taken for resident
+                m.unmap_groups(groups)
+            raise
+
+    def _start(self, m: ModelMemory) -> SwitchReport:
+        engine = self._engines[m.name]
+        kv_bytes = self._kv_bytes_at_start(m, engine)
+        report = SwitchReport(m.name, True, 0, 0, 0)
+        self._make_room(m.total_bytes + kv_bytes, m, report)
+        t = time.perf_counter()
+        m.ensure_backing()
+        m.map_groups(list(range(len(m.groups))))
+        report.map_s = time.perf_counter() - t
+        provider = _Provider(m)
+        before = _torch_reserved(self.device)
+        try:
+            engine.start(kv_blocks=kv_bytes // engine_kv_block_bytes(engine),
+                         graph_restorer=self._graph_restorers[m.name], memory=provider)
+        except BaseException:
+            with self._lock:
+                m.unmap_groups(list(range(len(m.groups))))
+                self._drop_kv(m)
+            raise
+        with self._lock:
+            m.started = True
+            m.fixed_bytes = provider.other_bytes(engine) + max(0, _torch_reserved(self.device) - before)
+        durations = engine.timeline.durations()
+        report.stream_s = durations.get(stages.WEIGHTS, 0.0)
+        report.graphs_s = durations.get(stages.CUDA_GRAPHS, 0.0)
+        report.bytes_loaded = m.resident_bytes
+        m.load_bytes_per_s = engine.plan.total_bytes / max(report.stream_s, 1e-9)
+        return report
+
+    # -- memory ------------------------------------------------------------------------------------
+
+    def _kv_bytes_at_start(self, m: ModelMemory, engine) -> int:
+        """The KV cache a first start gets: enough for max_num_seqs full-length sequences, or what the pool
+        can make room for beside the weights (at least one sequence)."""
+        block = engine_kv_block_bytes(engine)
+        per_seq = -(-engine.max_model_len // engine.config.block_size)
+        wanted = (engine.config.max_num_seqs * per_seq + 1) * block
+        with self._lock:
+            room = self.budget_bytes - m.total_bytes - sum(
+                o.used_bytes() for o in self._models.values() if o.held and o is not m)
+        least = _min_kv_bytes(engine)
+        return max(least, min(wanted, room // block * block))
+
+    def _kv_to_restore(self, m: ModelMemory) -> int:
+        return 0 if m.kv is None or m.kv_bytes else m.kv_capacity
+
+    def _restore_kv(self, m: ModelMemory) -> None:
+        if m.kv is not None and not m.kv_bytes:
+            m.kv.map(0, m.kv_capacity)
+            m.kv_bytes = m.kv_capacity
+
+    def _drop_kv(self, m: ModelMemory) -> int:
+        """Give back an idle model's KV cache (every block is free when no request is in flight)."""
+        if m.kv is None or not m.kv_bytes:
+            return 0
+        m.kv.unmap(0, m.kv_capacity)
+        freed, m.kv_bytes = m.kv_bytes, 0
+        return freed
+
+    def _make_room(self, need: int, m: ModelMemory, report: SwitchReport) -> None:
+        t = time.perf_counter()
+        with self._lock:
+            short = need - self._free()
+            if short > 0:
+                self._evict(short, m, report)
+        report.evict_s = time.perf_counter() - t
+
+    def _evict(self, short: int, incoming: ModelMemory, report: SwitchReport) -> None:
+        """Free at least SHORT bytes from models without requests in flight, or raise PoolError."""
+        idle = [o for o in self._models.values()
+                if o is not incoming and not o.held and _is_idle(self._engines[o.name])]
+        for o in sorted(idle, key=lambda o: o.last_used):  # idle KV caches first: they hold nothing of value
+            if short <= 0:
+                return
+            freed = self._drop_kv(o)
+            short -= freed
+            self._note_evicted(report, o, freed)
+        while short > 0:
+            items = self._items(idle)
+            if not items:
+                raise PoolError(f"model {incoming.name!r} does not fit now: {_gib(short)} more are needed and the "
+                                "rest of the pool belongs to models with requests in flight")
+            chosen = (evict_by_cost(items, short) if self.policy == "cost"
+                      else lru_whole_models(items, short, {o.name: o.last_used for o in idle}))
+            for model in {i.model for i in chosen}:
+                o = self._models[model]
+                freed = o.unmap_groups([i.group for i in chosen if i.model == model])
+                short -= freed
+                self._note_evicted(report, o, freed)
+
+    def _items(self, models: list[ModelMemory]) -> list[Item]:
+        now = time.monotonic()
+        items = []
+        for o in models:
+            share = _group_shares(o)
+            rate = o.rate.at(now)
+            for g in sorted(o.resident):
+                items.append(Item(o.name, g, share[g], group_value(share[g], o.load_bytes_per_s, rate)))
+        return items
+
+    @staticmethod
+    def _note_evicted(report: SwitchReport, o: ModelMemory, freed: int) -> None:
+        if freed:
+            report.evicted[o.name] = report.evicted.get(o.name, 0) + freed
+            report.bytes_evicted += freed
+
+    def _free(self) -> int:
+        return self.budget_bytes - sum(o.used_bytes() for o in self._models.values())
+
+    def _model(self, name: str) -> ModelMemory:
+        m = self._models.get(name)
+        if m is None:
+            raise PoolError(f"model {name!r} is not in the pool ({', '.join(self._models) or 'empty'})")
+        return m
+
+    # -- reporting and shutdown ---------------------------------------------------------------------
+
+    def stats(self) -> PoolStats:
+        with self._lock:
+            models = {
+                name: ModelStats(m.resident_bytes, m.resident_bytes if not m.held else 0, m.total_bytes,
+                                 m.kv_bytes, m.held, m.counters.loads, m.counters.switches,
+                                 m.counters.last_switch_s, tuple(m.counters.switch_seconds))
+                for name, m in self._models.items()}
+            used = self.budget_bytes - self._free()
+        return PoolStats(str(self.device), self.budget_bytes, used, self.budget_bytes - used, models)
+
+    def shutdown(self) -> None:
+        """Stop every started engine and give all the pool's memory back."""
+        for name, m in self._models.items():
+            engine = self._engines[name]
+            if m.started:
+                engine.shutdown()
+            for backing in (m.weights, m.kv):
+                if backing is not None:
+                    backing.close()
+            m.weights = m.kv = None
+            m.resident.clear()
+            m.kv_bytes = 0
+            m.started = False
+
+
+class _Provider:
+    """The engine's MemoryProvider: its weights and KV cache from the pool's backings."""
+
+    def __init__(self, m: ModelMemory) -> None:
+        self.m = m
+        self.provided = 0
+
+    def alloc(self, name: str, nbytes: int) -> torch.Tensor | None:
+        m = self.m
+        if name == "weights":
+            self.provided += nbytes
+            return m.weights.tensor[:nbytes]
+        if name == "kv_cache":
+            from runtime.pool.backing import make_backing
+
+            m.kv = make_backing(nbytes, m.device)
+            m.kv_capacity = -(-nbytes // m.kv.granule) * m.kv.granule
+            m.kv.map(0, m.kv_capacity)
+            m.kv_bytes = m.kv_capacity
+            self.provided += nbytes
+            return m.kv.tensor[:nbytes]
+        return None
+
+    def other_bytes(self, engine) -> int:
+        """What the engine allocated itself (rope table, decode buffers), beside the provided buffers."""
+        return engine.runner.allocator.total_bytes - self.provided if engine.runner.device.type == "cpu" else 0
+
+
+def engine_kv_block_bytes(engine) -> int:
+    c = engine.model_config
+    itemsize = torch.empty((), dtype=getattr(torch, engine.config.dtype)).element_size()
+    return c.num_layers * 2 * engine.config.block_size * c.num_kv_heads * c.head_dim * itemsize
+
+
+def _min_kv_bytes(engine) -> int:
+    """The KV cache of one full-length sequence and the block CUDA graphs' padding writes to."""
+    return (-(-engine.max_model_len // engine.config.block_size) + 1) * engine_kv_block_bytes(engine)
+
+
+def _group_shares(m: ModelMemory) -> dict[int, int]:
+    """Each resident group's share of the mapped bytes (a segment two groups share counts half to each)."""
+    share = {g: 0 for g in m.resident}
+    for s in m.segments:
+        owners = [g for g in s.groups if g in m.resident]
+        for g in owners:
+            share[g] += s.nbytes // len(owners)
+    return share
+
+
+def _is_idle(engine) -> bool:
+    """Nothing scheduled and no step in flight: its memory may go (a request that is held never is)."""
+    return not engine.ready or engine.idle
+
+
+def _granule(device: torch.device) -> int:
+    if device.type == "cuda":
+        from runtime.cuda_driver import allocation_prop, granularity
+
+        return granularity(allocation_prop(device.index if device.index is not None else torch.cuda.current_device()))
+    import mmap
+
+    return mmap.PAGESIZE
+
+
+def _torch_reserved(device: torch.device) -> int:
+    return torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
+
+
+def device_budget(device: torch.device, gpu_memory_utilization: float, pool_memory_gb: float | None) -> int:
+    """The pool's budget: on CUDA GPU_MEMORY_UTILIZATION of the device's memory less what is used already
+    (the CUDA context, other processes); on the host POOL_MEMORY_GB."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return int(min(total * gpu_memory_utilization - (total - free), free))
+    if pool_memory_gb is None:
+        raise PoolError("POOL_MEMORY_GB must be set to pool several models on the host")
+    return int(pool_memory_gb * 2**30)

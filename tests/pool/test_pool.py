@@ -1,0 +1,130 @@
+"""Several tiny models in one pool whose budget cannot hold them all: each activation gives exactly the
+model's own output, evicted groups really give their memory back, and only missing groups stream again."""
+
+import pytest
+import torch
+
+from runtime.pool.errors import PoolError
+from runtime.pool.pool import ModelPool
+from tests.pool.helpers import PRESETS, PROMPTS, build, greedy, make_layout
+
+
+@pytest.fixture(scope="module")
+def layouts(tiny_model, tmp_path_factory):
+    root = tmp_path_factory.mktemp("pool-layouts")
+    return {preset: make_layout(tiny_model(preset), root / preset) for preset in PRESETS}
+
+
+@pytest.fixture(scope="module")
+def alone(layouts):
+    """Each model's greedy output, started alone (no pool)."""
+    out = {}
+    for preset, layout in layouts.items():
+        engine = build(layout)
+        engine.start()
+        try:
+            out[preset] = [greedy(engine, p) for p in PROMPTS]
+        finally:
+            engine.shutdown()
+    return out
+
+
+def sizes(layouts):
+    """(weight bytes, the pool's need for one model: weights and its KV cache) of the largest model."""
+    probe = ModelPool(torch.device("cpu"), 1 << 40)
+    for preset, layout in layouts.items():
+        probe.add(preset, build(layout))
+    return max(m.total_bytes for m in probe.stats().models.values())
+
+
+@pytest.fixture
+def pool(layouts):
+    largest = sizes(layouts)
+    # room for two models' weights and KV caches, not three
+    pool = ModelPool(torch.device("cpu"), int(2.6 * largest))
+    for preset, layout in layouts.items():
+        pool.add(preset, build(layout))
+    yield pool
+    pool.shutdown()
+
+
+def run(pool, name):
+    report = pool.activate(name)
+    pool.hold(name)
+    try:
+        return report, [greedy(pool.engine(name), p) for p in PROMPTS]
+    finally:
+        pool.release(name)
+
+
+def test_turns_give_each_models_own_output_through_eviction_and_reload(pool, alone):
+    order = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-llama", "tiny-qwen3", "tiny-qwen2", "tiny-llama"]
+    reports = []
+    for name in order:
+        report, outputs = run(pool, name)
+        assert outputs == alone[name], name
+        reports.append(report)
+        stats = pool.stats()
+        assert stats.used_bytes <= stats.budget_bytes
+        assert stats.models[name].resident_bytes == stats.models[name].total_bytes
+    assert [r.first_start for r in reports] == [True] * 3 + [False] * 4
+    assert sum(r.bytes_evicted for r in reports) > 0
+    reloads = [r for r in reports if not r.first_start and r.bytes_loaded]
+    assert reloads, "the budget should have forced a reload"
+    # a reload found part of the model still there and streamed only the rest
+    assert any(0 < r.bytes_resident for r in reloads)
+    stats = pool.stats()
+    assert sum(m.loads for m in stats.models.values()) == 3 + len(reloads)
+
+
+def test_reload_streams_only_the_missing_groups(pool, alone):
+    run(pool, "tiny-llama")
+    run(pool, "tiny-qwen2")
+    m = pool._models["tiny-llama"]
+    # give back two of its groups by hand, as an eviction would
+    dropped = sorted(m.resident)[1:3]
+    expected = sum(m.groups[g].nbytes for g in dropped)
+    m.unmap_groups(dropped)
+    report, outputs = run(pool, "tiny-llama")
+    assert report.bytes_loaded == expected
+    assert report.bytes_loaded < m.plan.total_bytes
+    assert outputs == alone["tiny-llama"]
+
+
+def test_eviction_gives_the_pages_back_to_the_os(pool):
+    run(pool, "tiny-llama")
+    m = pool._models["tiny-llama"]
+    address = m.weights.tensor.data_ptr()
+    before = mapping_rss(address)
+    assert before >= m.plan.total_bytes * 0.9  # the weights were written: their pages are in memory
+    freed = m.unmap_groups(sorted(m.resident))
+    assert freed == m.total_bytes
+    assert mapping_rss(address) <= before - freed * 0.9
+
+
+def test_a_model_larger_than_the_pool_is_refused_at_add(layouts):
+    pool = ModelPool(torch.device("cpu"), 64 << 10)
+    with pytest.raises(PoolError, match="needs at least .* the pool holds"):
+        pool.add("tiny-llama", build(layouts["tiny-llama"]))
+    assert pool.names() == []
+
+
+def test_unknown_model_and_unbalanced_release_are_clear_errors(pool):
+    with pytest.raises(PoolError, match="not in the pool"):
+        pool.activate("gpt-5")
+    with pytest.raises(PoolError, match="released more often than held"):
+        pool.release("tiny-llama")
+
+
+def mapping_rss(address: int) -> int:
+    """Resident bytes of the mapping that holds ADDRESS (/proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start <= address < end
+            elif inside and head == "Rss:":
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no mapping holds the address")
