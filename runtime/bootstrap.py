@@ -93,7 +93,7 @@ def start_engine(settings: Settings, timeline: Timeline) -> StartedEngine:
             skipped[name] = f"RESTORE={settings.restore}"
             continue
         try:
-            engine = RESTORE_PATHS[name](settings, timeline)
+            engine = RESTORERS[name](settings, timeline)
             return StartedEngine(engine, name, skipped)
         except SkipPath as why:
             skipped[name] = str(why)
@@ -127,7 +127,7 @@ def restore_materialized(settings: Settings, timeline: Timeline) -> "Engine":
 
 #: name -> restore function (raises SkipPath to fall through); snapshots/restore.py does the work, imported
 #: only when a path is tried
-RESTORE_PATHS: dict[str, Callable[[Settings, Timeline], "Engine"]] = {
+RESTORERS: dict[str, Callable[[Settings, Timeline], "Engine"]] = {
     "gpu": restore_gpu, "process": restore_process, "materialized": restore_materialized}
 
 

@@ -398,3 +398,28 @@ def test_a_warmed_up_engine_serves_what_a_fresh_one_serves(tiny_model, engine_fa
     # prompt beside them is left alone, not failed
     assert warm_up(engine_factory(model_dir, max_model_len=7, num_kv_blocks=4)).prompt_lengths == (2,)
     assert warm_up(engine_factory(model_dir, max_model_len=4, num_kv_blocks=4)).requests == 0
+
+
+def test_a_weight_load_that_fails_ends_its_timeline_stage(tiny_model, tmp_path):
+    """A start that fails while loading still closes its `weights` stage: /health and the boot log report
+    how long the failed load ran, never a stage left open."""
+    import shutil
+
+    from runtime.engine import Engine, EngineConfig
+    from runtime.timeline import Timeline
+    from runtime.weights.hf_dir import hf_dir_loader
+
+    broken = tmp_path / "no-weights"
+    shutil.copytree(tiny_model("tiny-llama"), broken)
+    for f in broken.glob("*.safetensors"):
+        f.unlink()
+    timeline = Timeline()
+    engine = Engine.build(broken, hf_dir_loader(broken), EngineConfig(device="cpu"), timeline)
+    try:
+        engine.start()
+    except FileNotFoundError as exc:  # checked while the failure is handled, as the bootstrap reports it
+        assert "no *.safetensors" in str(exc)
+        weights = timeline.get("weights")
+        assert weights is not None and weights.end is not None and weights.end >= weights.start
+    else:
+        pytest.fail("a model directory without weights started")

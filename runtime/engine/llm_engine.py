@@ -168,13 +168,11 @@ class Engine:
             kv_blocks = self._allocate_kv(runner, kv_blocks, releasable_memory)
         if graphs_first:
             self._prepare_graphs(runner, graph_restorer)
-        weights_stage = t.stage(stages.WEIGHTS, bytes=self.plan.total_bytes)
-        weights_stage.__enter__()
-        load = self._load_weights(self.plan, buffer)
-        if materialized and graphs and not graphs_first:  # no weight values needed: beside the stream
-            self._prepare_graphs(runner, graph_restorer)
-        load.wait()
-        weights_stage.__exit__(None, None, None)
+        with t.stage(stages.WEIGHTS, bytes=self.plan.total_bytes):  # ended even when the load fails
+            load = self._load_weights(self.plan, buffer)
+            if materialized and graphs and not graphs_first:  # no weight values needed: beside the stream
+                self._prepare_graphs(runner, graph_restorer)
+            load.wait()
         if not materialized:
             kv_blocks = self._allocate_kv(runner, kv_blocks, releasable_memory)
             if graphs:

@@ -7,7 +7,7 @@ Each app has its own registry, so several apps (tests, or a handler that builds 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Iterable, Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -17,7 +17,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 if TYPE_CHECKING:
-    from runtime.server.state import AppState
+    from runtime.engine.outputs import EngineStats
+    from runtime.timeline import Timeline
 
 # Buckets in seconds: TTFT spans a warm 10 ms to a queued multi-second prefill; ITL a few ms to ~0.5 s.
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -25,8 +26,25 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 
 
+class _Stats(Protocol):
+    def stats(self) -> "EngineStats": ...
+
+
+class Instance(Protocol):
+    """What the metrics read at scrape time: the app's state (runtime/server/state.py: AppState) has it.
+    A protocol, so that the state depends on the metrics and not the other way round."""
+
+    timeline: "Timeline"
+    model_name: str | None
+    restore_path: str | None
+    engine: _Stats | None
+
+    @property
+    def ready(self) -> bool: ...
+
+
 class ServerMetrics:
-    def __init__(self, state: "AppState") -> None:
+    def __init__(self, state: Instance) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.time_to_first_token = Histogram(
@@ -90,7 +108,7 @@ class ServerMetrics:
 class _StateCollector(Collector):
     """Values that already live elsewhere (timeline, state, engine): read them when scraped."""
 
-    def __init__(self, state: "AppState") -> None:
+    def __init__(self, state: Instance) -> None:
         self._state = state
 
     def collect(self) -> Iterable[Metric]:
