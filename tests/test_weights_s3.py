@@ -203,3 +203,36 @@ def test_build_to_s3_keeps_one_weight_file_on_local_disk_and_a_build_failing_mid
     assert "Contents" not in boto3.client("s3").list_objects_v2(Bucket=BUCKET, Prefix="layouts/half/")
     assert list(scratch.glob("faas-build-*")) == []
 
+
+
+def test_one_bounded_retry_policy_with_backoff(s3_layout, proxy, monkeypatch):
+    """A store that keeps answering 503 gets exactly `attempts` requests per call (not botocore's retries
+    inside ours), then a one-line error; one that recovers is retried until it does."""
+    from runtime.weights.s3 import S3Options, S3Store, split_url
+
+    through(proxy, monkeypatch)
+    store = S3Store(S3Options(attempts=3, backoff_s=0.01))
+    bucket, prefix = split_url(s3_layout)
+    proxy.fail("GET", "/manifest.json", 100)
+    with pytest.raises(WeightsError, match="manifest.json: .*503"):
+        store.get_bytes(bucket, f"{prefix}/manifest.json")
+    assert proxy.count("GET", "/manifest.json") == 3
+    proxy.failing.clear()
+    proxy.fail("GET", "/manifest.json", 2)
+    assert store.get_bytes(bucket, f"{prefix}/manifest.json").startswith(b"{")
+    assert proxy.count("GET", "/manifest.json") == 6
+
+
+def test_delete_is_retried(moto_url, proxy, monkeypatch):
+    from runtime.weights.s3 import S3Options, S3Store
+
+    direct = boto3.client("s3")
+    keys = [f"to-delete/{i}" for i in range(3)]
+    for key in keys:
+        direct.put_object(Bucket=BUCKET, Key=key, Body=b"x")
+    through(proxy, monkeypatch)
+    store = S3Store(S3Options(attempts=3, backoff_s=0.01))
+    proxy.fail("POST", "delete", 2)
+    store.delete(BUCKET, keys)
+    assert proxy.count("POST", "delete") == 3
+    assert "Contents" not in direct.list_objects_v2(Bucket=BUCKET, Prefix="to-delete/")

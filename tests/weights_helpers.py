@@ -46,13 +46,15 @@ def greedy(engine, n: int = 12) -> list[int]:
 
 class CuttingProxy:
     """Forwards every request to `upstream`; records (method, path, range); `cut_next(part)` makes the next
-    ranged GET of a path containing `part` send its headers and half its body, then drop the connection."""
+    ranged GET of a path containing `part` send its headers and half its body, then drop the connection;
+    `fail(method, part, times)` answers the next TIMES such requests 503 without forwarding them."""
 
     def __init__(self, upstream: tuple[str, int]) -> None:
         self.upstream = upstream
         self.requests: list[tuple[str, str, str | None]] = []
         self.cuts: list[str] = []
         self.cut_done: list[str] = []
+        self.failing: list[list] = []  # [method, part, times left]
         self._lock = threading.Lock()
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.server.daemon_threads = True
@@ -62,6 +64,21 @@ class CuttingProxy:
     def cut_next(self, part: str) -> None:
         with self._lock:
             self.cuts.append(part)
+
+    def fail(self, method: str, part: str, times: int) -> None:
+        with self._lock:
+            self.failing.append([method, part, times])
+
+    def count(self, method: str, part: str) -> int:
+        return sum(1 for m, p, _ in self.requests if m == method and part in p)
+
+    def _take_failure(self, method: str, path: str) -> bool:
+        with self._lock:
+            for failure in self.failing:
+                if failure[0] == method and failure[1] in path and failure[2] > 0:
+                    failure[2] -= 1
+                    return True
+        return False
 
     def ranged_gets(self, part: str = "") -> int:
         return sum(1 for m, p, r in self.requests if m == "GET" and r and part in p)
@@ -93,6 +110,11 @@ class CuttingProxy:
                 rng = self.headers.get("Range")
                 with proxy._lock:
                     proxy.requests.append((self.command, self.path, rng))
+                if proxy._take_failure(self.command, self.path):
+                    self.send_response(503)
+                    self.send_header("Content-Length", "0")
+                    self.end_headers()
+                    return
                 conn = http.client.HTTPConnection(*proxy.upstream, timeout=30)
                 conn.request(self.command, self.path, body, {k: v for k, v in self.headers.items()})
                 resp = conn.getresponse()

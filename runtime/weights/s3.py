@@ -2,8 +2,12 @@
 
 The endpoint, region and credentials come from the standard AWS variables (AWS_ENDPOINT_URL,
 AWS_REGION / AWS_DEFAULT_REGION, AWS_ACCESS_KEY_ID, AWS_PROFILE...), which boto3 reads itself. Weight data
-moves as ranged GETs, many in flight (the loader's reader threads each hold one); a GET that fails or is cut
-short is retried with exponential backoff, since botocore does not retry a body that breaks mid-read.
+moves as ranged GETs, many in flight (the loader's reader threads each hold one).
+
+One retry policy for every call, this module's: at most `S3Options.attempts` attempts with exponential
+backoff and jitter, for 5xx, 429, connection errors and bodies cut short (which botocore cannot retry: the
+break comes after its call returned). botocore's and s3transfer's own retries are turned off, so that the
+attempts do not multiply.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ MiB = 1 << 20
 class S3Options:
     concurrency: int = 16  # ranged GETs in flight, and multipart parts in flight when uploading
     part_bytes: int = 16 * MiB  # one ranged GET; one multipart part
-    attempts: int = 5
+    attempts: int = 5  # per call, all causes together
     backoff_s: float = 0.2  # first retry waits about this long, doubling each time
 
     @classmethod
@@ -69,7 +73,7 @@ class S3Store:
 
                 self._client = boto3.session.Session().client("s3", config=Config(
                     max_pool_connections=max(10, self.options.concurrency + 4),
-                    retries={"mode": "standard", "max_attempts": self.options.attempts}))
+                    retries={"mode": "standard", "total_max_attempts": 1}))  # _retrying retries
             return self._client
 
     # -- small objects and listings ------------------------------------------------------------------
@@ -78,28 +82,23 @@ class S3Store:
         return self._retrying(bucket, key, lambda: self.client.get_object(Bucket=bucket, Key=key)["Body"].read())
 
     def exists(self, bucket: str, key: str) -> bool:
-        from botocore.exceptions import ClientError
-
         try:
-            self.client.head_object(Bucket=bucket, Key=key)
+            self._retrying(bucket, key, lambda: self.client.head_object(Bucket=bucket, Key=key))
             return True
-        except ClientError as exc:
-            if _status(exc) == 404:
-                return False
-            raise WeightsError(f"s3://{bucket}/{key}: {exc}") from None
+        except ObjectMissing:
+            return False
 
     def list(self, bucket: str, prefix: str) -> dict[str, int]:
         """Object names directly and indirectly under `prefix/` -> size."""
-        from botocore.exceptions import BotoCoreError, ClientError
-
         start = f"{prefix}/" if prefix else ""
-        out: dict[str, int] = {}
-        try:
+
+        def listing() -> dict[str, int]:  # a retry lists from the start
+            out: dict[str, int] = {}
             for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=start):
                 out.update({o["Key"][len(start):]: o["Size"] for o in page.get("Contents", [])})
-        except (BotoCoreError, ClientError) as exc:
-            raise WeightsError(f"s3://{bucket}/{prefix}: cannot list ({exc})") from None
-        return out
+            return out
+
+        return self._retrying(bucket, start, listing)
 
     # -- weight data ----------------------------------------------------------------------------------
 
@@ -134,14 +133,24 @@ class S3Store:
         self._retrying(bucket, key, lambda: self.client.put_object(Bucket=bucket, Key=key, Body=data))
 
     def delete(self, bucket: str, keys: list[str]) -> None:
+        """Delete KEYS (1000 to a request, each request retried); a key S3 could not delete is an error."""
         for i in range(0, len(keys), 1000):
-            self.client.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": k} for k in keys[i:i + 1000]]})
+            batch = keys[i:i + 1000]
+
+            def delete_batch() -> None:
+                answer = self.client.delete_objects(Bucket=bucket, Delete={"Objects": [{"Key": k} for k in batch]})
+                errors = answer.get("Errors") or []
+                if errors:
+                    raise _NotDeleted(f"{len(errors)} not deleted, e.g. {errors[0].get('Key')}: "
+                                      f"{errors[0].get('Message') or errors[0].get('Code')}")
+
+            self._retrying(bucket, batch[0], delete_batch)
 
     def _transfer_config(self):
         from boto3.s3.transfer import TransferConfig
 
         return TransferConfig(multipart_threshold=self.options.part_bytes, multipart_chunksize=self.options.part_bytes,
-                              max_concurrency=self.options.concurrency)
+                              max_concurrency=self.options.concurrency, num_download_attempts=1)
 
     def _retrying(self, bucket: str, key: str, call):
         from botocore.exceptions import BotoCoreError, ClientError
@@ -153,11 +162,11 @@ class S3Store:
             except ClientError as exc:
                 status = _status(exc)
                 if status == 404 or exc.response.get("Error", {}).get("Code") in ("NoSuchKey", "NoSuchBucket"):
-                    raise WeightsError(f"{where}: no such object") from None
+                    raise ObjectMissing(f"{where}: no such object") from None
                 if status is not None and status < 500 and status != 429 or attempt == self.options.attempts:
                     raise WeightsError(f"{where}: {exc}") from None
                 why = str(exc)
-            except (BotoCoreError, _ShortRead, OSError) as exc:
+            except (BotoCoreError, _ShortRead, _NotDeleted, OSError) as exc:
                 if attempt == self.options.attempts:
                     raise WeightsError(f"{where}: gave up after {attempt} attempts: {exc}") from None
                 why = f"{type(exc).__name__}: {exc}"
@@ -166,7 +175,15 @@ class S3Store:
             time.sleep(delay)
 
 
+class ObjectMissing(WeightsError):
+    """The object (or its bucket) does not exist."""
+
+
 class _ShortRead(Exception):
+    pass
+
+
+class _NotDeleted(Exception):
     pass
 
 
