@@ -269,10 +269,11 @@ def usage(out: RequestOutput) -> dict[str, int]:
 
 
 def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
-    def one(token: str, logprob: float) -> dict[str, Any]:
-        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+    def one(token: str, logprob: float, raw: bytes) -> dict[str, Any]:
+        return {"token": token, "logprob": logprob, "bytes": list(raw)}
 
-    return {"content": [one(e.token, e.logprob) | {"top_logprobs": [one(t, lp) for _, t, lp in e.top]}
+    return {"content": [one(e.token, e.logprob, e.bytes)
+                        | {"top_logprobs": [one(t, lp, raw) for (_, t, lp), raw in zip(e.top, e.top_bytes)]}
                         for e in entries]}
 
 

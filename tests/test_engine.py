@@ -131,6 +131,19 @@ def test_incremental_text_never_contains_broken_utf8(tiny_model):
     assert "".join(deltas) == tok.decode(ids)
 
 
+def test_token_bytes_rebuild_multibyte_text_token_by_token(tiny_model):
+    """logprobs' `bytes`: a token holding part of a character gives that part, not U+FFFD's bytes."""
+    from runtime.engine.tokenizer import Tokenizer
+
+    tok = Tokenizer(tiny_model("tiny-llama"))
+    text = "Ünïcödé and 日本語 too, with emoji 🦊🚀 and 'quotes'.\n\tend <|endoftext|>"
+    ids = tok.encode(text)
+    pieces = [tok.token_bytes(i) for i in ids]
+    assert b"".join(pieces) == text.encode()
+    assert any(len(p) == 1 and p[0] >= 0x80 for p in pieces)  # a lone byte of a character: the case at stake
+    assert b"\xef\xbf\xbd" not in b"".join(pieces)
+
+
 def test_seed_reproduces_sampling_whatever_shares_the_batch(tiny_model, engine_factory):
     engine = engine_factory(tiny_model("tiny-llama"))
     sampled = dict(max_tokens=20, temperature=1.0, top_p=0.9, top_k=50, seed=1234)

@@ -443,9 +443,11 @@ class Engine:
             reason = "length"
         logprobs = None
         if seq.params.logprobs is not None:
-            text_of = self.tokenizer.token_text
+            text_of, bytes_of = self.tokenizer.token_text, self.tokenizer.token_bytes
+            top = token.top or []
             logprobs = [TokenLogprob(token.token_id, text_of(token.token_id), token.logprob,
-                                     [(t, text_of(t), lp) for t, lp in token.top or []])]
+                                     [(t, text_of(t), lp) for t, lp in top], bytes_of(token.token_id),
+                                     [bytes_of(t) for t, _ in top])]
         if reason is not None:
             del seq.output_ids[count:]  # a step launched past the end produced nothing anyone will read
             # Free the blocks before the caller hears of the finish: it may look at stats() at once.

@@ -12,6 +12,9 @@ class TokenLogprob:
     logprob: float
     # the most likely tokens at this step, as (token_id, token text, logprob), when asked for
     top: list[tuple[int, str, float]] = field(default_factory=list)
+    # the token's own bytes (`token` cannot hold a part of a UTF-8 character), and those of each of `top`
+    bytes: bytes = b""
+    top_bytes: list[bytes] = field(default_factory=list)
 
 
 @dataclass

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -67,6 +68,24 @@ class Tokenizer:
         """The tokenizer as tokenizer.json holds it (the grammar engine builds its token table from it)."""
         return self._tok.to_str()
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for, a part of a UTF-8 character included (logprobs' `bytes`): the
+        token's string in the byte-level alphabet mapped back to bytes; an added token's own text."""
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id in self._added_ids:
+            return piece.encode()
+        if _BYTE_FALLBACK.fullmatch(piece):  # SentencePiece's <0xE2>
+            return bytes([int(piece[3:5], 16)])
+        if all(ch in _BYTE_OF for ch in piece):
+            return bytes(_BYTE_OF[ch] for ch in piece)
+        return piece.replace("\u2581", " ").encode()  # SentencePiece's word marker
+
+    @cached_property
+    def _added_ids(self) -> set[int]:
+        return set(self._tok.get_added_tokens_decoder())
+
     @cached_property
     def special_ids(self) -> set[int]:
         return {t.content and self._tok.token_to_id(t.content)
@@ -97,6 +116,18 @@ class Tokenizer:
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
         return env.from_string(self.chat_template)
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> byte: printable bytes stand for themselves, the others
+    (controls, space, 0x7F-0xA0, 0xAD) for the characters from U+0100 on, in byte order."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(0x100 + i): b for i, b in enumerate(others)}
+
+
+_BYTE_OF = _byte_level_alphabet()
+_BYTE_FALLBACK = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 
 
 def _read_json(path: Path) -> dict[str, Any]:
