@@ -2,10 +2,14 @@
 #
 # The thawllm function image: CUDA runtime, Python, criu 4.x, this package; ENTRYPOINT faas-bootstrap.
 #
-#   docker build -t thawllm .                                    # the base image (GPU, CUDA 13)
-#   docker build -t thawllm:cpu \                                # CPU only (AWS Lambda, CPU Knative)
+#   docker build --target runtime -t thawllm .                   # the base image (GPU, CUDA 13)
+#   docker build --target runtime -t thawllm:cpu \               # CPU only (AWS Lambda, CPU Knative)
 #       --build-arg BASE_IMAGE=ubuntu:24.04 --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cpu \
 #       --build-arg GPU_EXTRAS= .
+#
+# `--target runtime`: without BuildKit, docker builds every stage before the one it stops at, and the
+# `function` stage needs baked/. criu 4.x comes from Debian's archive (scripts/install_criu.sh); on a build
+# machine without network to it, `bash scripts/install_criu.sh --download-only .debs` first, elsewhere.
 #
 # Baking (README, "Bake the snapshots into the image") is a second step: faas-build runs inside the base
 # image on a GPU of the production type (docker build has no GPU), writes baked/, and
@@ -41,11 +45,11 @@ RUN apt-get update \
 # criu where it is 4.x, else unpacks Debian trixie's criu with its own glibc into /opt/thawllm-criu, where
 # snapshots/criu.py finds it.
 # util-linux's `unshare` (in the base image) starts the runtime a snapshot is made of in its own pid namespace.
-# Ubuntu has no Debian archive in its apt sources: put the .debs in the build context first
-# (`bash scripts/install_criu.sh --download-only .debs` on a Debian machine); `.deb[s]` copies them if there.
+# The .debs are fetched from Debian's archive, or taken from the build context's .debs/ when it has them
+# (`bash scripts/install_criu.sh --download-only .debs` beforehand); `.deb[s]` copies them if there.
 COPY scripts/install_criu.sh .deb[s] /tmp/criu/
 RUN if ls /tmp/criu/*.deb >/dev/null 2>&1; then bash /tmp/criu/install_criu.sh --from /tmp/criu; \
-    else bash /tmp/criu/install_criu.sh; fi && rm -rf /tmp/criu
+    else bash /tmp/criu/install_criu.sh; fi && rm -rf /tmp/criu /var/lib/apt/lists/*
 
 RUN python3 -m venv /opt/thawllm/venv \
     && pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}"
@@ -79,5 +83,5 @@ ENV MODEL=/opt/thawllm/baked/model \
     SNAPSHOT_DIR=/opt/thawllm/baked/snapshots
 
 
-# The default target is the base image.
+# The default target is the base image (with BuildKit; without it, name --target runtime: see the top).
 FROM runtime

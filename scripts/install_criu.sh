@@ -7,8 +7,9 @@
 #   install_criu.sh --from DIR           install from .debs fetched earlier (a machine without Debian's mirror)
 #   install_criu.sh --download-only DIR  only fetch the .debs into DIR (to carry to another machine)
 #
-# The .debs come from the Debian archive this system's apt uses, or $DEBIAN_MIRROR (on a base without one,
-# e.g. Ubuntu: there the Dockerfile installs --from the .debs in the build context instead).
+# The .debs come from $DEBIAN_MIRROR, else the Debian archive this system's apt uses on Debian, else (Ubuntu,
+# whose mirrors carry no Debian suite) deb.debian.org. Without network, fetch them elsewhere with
+# --download-only and install --from them (the Dockerfile does when the build context has .debs/).
 # Where apt's own criu is 4.x or newer, that package is installed. Otherwise (Debian bookworm, Ubuntu 24.04)
 # criu and its libraries, glibc included, are fetched from Debian trixie with `apt-get download` against a
 # private apt state (the system's sources are left alone: installing trixie's criu with apt would upgrade
@@ -32,8 +33,9 @@ major_of() {  # "Version: 4.1.1" -> 4 (0 when criu does not run)
     "$1" --version 2>/dev/null | sed -n 's/^Version: *\([0-9]*\).*/\1/p' | head -n1 | grep . || echo 0
 }
 
-debian_mirror() {  # $DEBIAN_MIRROR, else the Debian archive this system's apt already uses
+debian_mirror() {  # $DEBIAN_MIRROR, else on Debian the archive its apt already uses, else Debian's own
     if [ -n "${DEBIAN_MIRROR:-}" ]; then echo "$DEBIAN_MIRROR"; return; fi
+    if ! grep -qx 'ID=debian' /etc/os-release 2>/dev/null; then echo "http://deb.debian.org/debian"; return; fi
     { cat /etc/apt/sources.list.d/*.sources 2>/dev/null | awk '/^URIs:/ {print $2}'
       sed -n 's/^deb \(\[[^]]*\] \)\{0,1\}\([^ ]*\).*/\2/p' /etc/apt/sources.list 2>/dev/null || true
     } | awk '!/security/ && NF && !found {print; found = 1}'
