@@ -44,6 +44,10 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _optional_positive_float(text: str) -> float | None:
+    return None if text in ("", "auto") else _positive_float(text)
+
+
 def _non_negative_float(text: str) -> float:
     value = float(text)
     if not (math.isfinite(value) and value >= 0):
@@ -139,6 +143,14 @@ class Settings:
         "MAX_NUM_BATCHED_TOKENS", _optional_positive_int, None, "most tokens in one step (default 8192)")
     gpu_memory_utilization: float = _setting(
         "GPU_MEMORY_UTILIZATION", _fraction, 0.90, "share of GPU memory the engine may use")
+    pool_memory_gb: float | None = _setting(
+        "POOL_MEMORY_GB", _optional_positive_float, None,
+        "several models on the host (cpu): the memory their weights and KV caches share (GiB); on cuda "
+        "GPU_MEMORY_UTILIZATION bounds the pool")
+    pool_eviction: str = _setting(
+        "POOL_EVICTION", _choice("cost", "lru"), "cost",
+        "several models: which retained weights go when the pool is short: cost (reload time weighted by "
+        "request rate, per weight group) or lru (whole models, least recently used first)")
     enforce_eager: bool = _setting("ENFORCE_EAGER", _bool, False, "never use CUDA graphs")
     async_scheduling: bool = _setting(
         "ASYNC_SCHEDULING", _bool, True,

@@ -10,9 +10,12 @@ same addresses; nothing else in the engine allocates long-lived device memory.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from runtime.engine.block_manager import KVCapacity
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,10 @@ class Allocation:
 class MemoryProvider(Protocol):
     def alloc(self, name: str, nbytes: int) -> torch.Tensor | None:
         """A flat uint8 buffer of at least `nbytes` for allocation NAME, or None: the allocator makes it."""
+
+    def kv_capacity(self) -> "KVCapacity | None":
+        """What backs the KV cache's blocks on demand (runtime/engine/block_manager.py), or None: all of
+        them are backed from the start."""
 
 
 class DeviceAllocator:

@@ -41,6 +41,8 @@ from runtime.timeline import Timeline
 log = get_logger("engine")
 
 DEFAULT_MAX_MODEL_LEN = 4096
+#: how long the step loop waits, when waiting requests find no KV memory, before asking for it again
+STALL_WAIT_S = 0.002
 
 
 class WeightLoad(Protocol):
@@ -177,7 +179,8 @@ class Engine:
             kv_blocks = self._allocate_kv(runner, kv_blocks, releasable_memory)
             if graphs:
                 self._prepare_graphs(runner, graph_restorer)
-        self.blocks = BlockManager(kv_blocks, self.config.block_size, reserved=runner.reserved_blocks)
+        self.blocks = BlockManager(kv_blocks, self.config.block_size, reserved=runner.reserved_blocks,
+                                   capacity=memory.kv_capacity() if memory is not None else None)
         self.scheduler = Scheduler(self.blocks, self.config.max_num_seqs,
                                    max(self.config.max_num_batched_tokens, self.max_model_len))
         self.sampler = Sampler(device, self.config.seed, self.tokenizer.eos_token_ids)
@@ -349,22 +352,25 @@ class Engine:
     # -- the step loop (engine thread) -------------------------------------------------------------
 
     def _run(self) -> None:
+        stalled = False
         while True:
             idle = not self.scheduler.has_work() and self._in_flight is None
-            if not self._drain_inbox(block=idle):
+            # stalled: work waits for KV memory a pool has not given yet; wait a little (or for new requests
+            # and aborts) before asking again, instead of spinning
+            if not self._drain_inbox(block=idle or stalled, timeout=None if idle else STALL_WAIT_S):
                 return
             try:
-                self._step()
+                stalled = not self._step()
             except Exception as exc:  # a failed step fails its requests; the engine keeps serving
                 log.exception("engine step failed")
                 self._in_flight = None
                 for request_id in [s.request_id for s in (*self.scheduler.running, *self.scheduler.waiting)]:
                     self._fail(request_id, exc)
 
-    def _drain_inbox(self, block: bool) -> bool:
+    def _drain_inbox(self, block: bool, timeout: float | None = None) -> bool:
         while True:
             try:
-                kind, item = self._inbox.get(block=block)
+                kind, item = self._inbox.get(block=block, timeout=timeout if block else None)
             except queue.Empty:
                 return True
             block = False
@@ -375,10 +381,10 @@ class Engine:
             elif kind == "abort":
                 self._finish(item, "abort")
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
         """Schedule and launch a step; with async scheduling, launch it before reading the last step's
         tokens (the next step's inputs come from them on the device), so the host's reading, stop checks
-        and detokenising overlap the device's work instead of leaving it idle."""
+        and detokenising overlap the device's work instead of leaving it idle. False: nothing could run."""
         ahead, self._in_flight = self._in_flight, None
         if ahead is not None and not self._may_run_ahead(ahead):
             self._settle(ahead)
@@ -387,7 +393,7 @@ class Engine:
         if batch is None:
             if ahead is not None:
                 self._settle(ahead)
-            return
+            return ahead is not None
         logits = self.runner.execute(batch, self.blocks, ahead.pending() if ahead is not None else None)
         step = self._launched(batch, self.sampler(logits, batch.seqs))
         self._steps += 1
@@ -398,6 +404,7 @@ class Engine:
             self._in_flight = step
         else:
             self._settle(step)
+        return True
 
     def _may_run_ahead(self, step: _Step) -> bool:
         """Whether the next step may be launched before `step`'s tokens are read: not when a sequence ends by

@@ -11,6 +11,7 @@ import torch
 from runtime.engine.weight_plan import WeightPlan
 from runtime.pool.backing import Backing, make_backing
 from runtime.pool.eviction import RequestRate
+from runtime.pool.kv import KVMemory
 from runtime.pool.groups import Segment, WeightGroup, layer_bytes, plan_groups, plan_segments, tensor_groups
 
 
@@ -25,11 +26,11 @@ class Counters:
 
 class ModelMemory:
     """Weights: groups over one backing (MappedRange or HostRange) at fixed addresses; a segment of the
-    backing is mapped while any group over it is resident. The KV cache: a backing of its own, mapped while
-    the model is started and not idle-reclaimed."""
+    backing is mapped while any group over it is resident. The KV cache: a backing of its own, backed in
+    chunks on demand (runtime/pool/kv.py)."""
 
     def __init__(self, name: str, plan: WeightPlan, chunk_spans: list[tuple[int, int]] | None,
-                 device: torch.device, granule: int) -> None:
+                 device: torch.device, granule: int, kv: KVMemory) -> None:
         self.name = name
         self.plan = plan
         self.device = device
@@ -38,9 +39,7 @@ class ModelMemory:
         self.tensor_groups = tensor_groups(plan, self.groups)
         self.resident: set[int] = set()
         self.weights: Backing | None = None
-        self.kv: Backing | None = None
-        self.kv_capacity = 0  # the KV cache's bytes (whole granules)
-        self.kv_bytes = 0  # of those, mapped
+        self.kv = kv
         self.fixed_bytes = 0  # what the started engine holds outside the pool's backings
         self.held = 0
         self.started = False
@@ -68,7 +67,7 @@ class ModelMemory:
 
     def used_bytes(self) -> int:
         """Everything of this model the pool accounts for."""
-        return self.resident_bytes + self.kv_bytes + self.fixed_bytes
+        return self.resident_bytes + self.kv.mapped_bytes + self.fixed_bytes
 
     # -- backing -----------------------------------------------------------------------------------
 

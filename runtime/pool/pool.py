@@ -18,8 +18,10 @@ import torch
 
 from runtime import timeline as stages
 from runtime.logs import get_logger
+from runtime.pool.backing import make_backing
 from runtime.pool.errors import PoolError
 from runtime.pool.eviction import Item, evict_by_cost, group_value, lru_whole_models
+from runtime.pool.kv import KVMemory
 from runtime.pool.model_memory import ModelMemory
 
 log = get_logger("pool")
@@ -100,8 +102,8 @@ class ModelPool:
             from runtime.weights.loader import layout_chunks
 
             spans = [(c.buffer_offset, c.length) for c in layout_chunks(manifest)]
-        memory = ModelMemory(name, engine.plan, spans, self.device, self._granule)
-        least = memory.total_bytes + _min_kv_bytes(engine)
+        memory = ModelMemory(name, engine.plan, spans, self.device, self._granule, KVMemory(engine, self._granule))
+        least = memory.total_bytes + memory.kv.least_bytes()
         if least > self.budget_bytes:
             raise PoolError(f"model {name!r} needs at least {_gib(least)} (weights and the KV cache of one "
                             f"{engine.max_model_len}-token sequence), the pool holds {_gib(self.budget_bytes)}")
@@ -167,10 +169,10 @@ class ModelPool:
         missing = m.missing()
         resident = m.resident_bytes
         report = SwitchReport(m.name, False, 0, resident, 0)
-        need = m.mapped_bytes(set(range(len(m.groups)))) - resident + self._kv_to_restore(m)
-        self._make_room(need, m, report)
+        first_kv = m.kv.chunk_bytes if not m.kv.mapped_chunks else 0
+        self._make_room(m.total_bytes - resident + first_kv, m, report)
         t = time.perf_counter()
-        self._restore_kv(m)
+        m.kv.map_chunks(1)
         if missing:
             m.map_groups(missing)
         report.map_s = time.perf_counter() - t
@@ -199,22 +201,22 @@ class ModelPool:
 
     def _start(self, m: ModelMemory) -> SwitchReport:
         engine = self._engines[m.name]
-        kv_bytes = self._kv_bytes_at_start(m, engine)
         report = SwitchReport(m.name, True, 0, 0, 0)
-        self._make_room(m.total_bytes + kv_bytes, m, report)
+        self._make_room(m.total_bytes + m.kv.chunk_bytes, m, report)
         t = time.perf_counter()
         m.ensure_backing()
         m.map_groups(list(range(len(m.groups))))
         report.map_s = time.perf_counter() - t
-        provider = _Provider(m)
+        provider = _Provider(self, m)
         before = _torch_reserved(self.device)
+        kv_blocks = m.kv.size(self.budget_bytes - m.total_bytes)
         try:
-            engine.start(kv_blocks=kv_bytes // engine_kv_block_bytes(engine),
-                         graph_restorer=self._graph_restorers[m.name], memory=provider)
+            engine.start(kv_blocks=kv_blocks, graph_restorer=self._graph_restorers[m.name], memory=provider)
         except BaseException:
             with self._lock:
                 m.unmap_groups(list(range(len(m.groups))))
-                self._drop_kv(m)
+                if m.kv.backing is not None:
+                    m.kv.unmap_all()
             raise
         with self._lock:
             m.started = True
@@ -228,33 +230,26 @@ class ModelPool:
 
     # -- memory ------------------------------------------------------------------------------------
 
-    def _kv_bytes_at_start(self, m: ModelMemory, engine) -> int:
-        """The KV cache a first start gets: enough for max_num_seqs full-length sequences, or what the pool
-        can make room for beside the weights (at least one sequence)."""
-        block = engine_kv_block_bytes(engine)
-        per_seq = -(-engine.max_model_len // engine.config.block_size)
-        wanted = (engine.config.max_num_seqs * per_seq + 1) * block
+    def grant_kv(self, m: ModelMemory, usable: int, wanted: int) -> int:
+        """Back more of M's KV cache (its block manager found no free block): at least WANTED blocks past
+        the USABLE first ones if the pool has or can free the room, else as many chunks as it can (none: the
+        scheduler preempts). Called on the model's engine thread. Returns the first blocks backed now."""
+        kv = m.kv
         with self._lock:
-            room = self.budget_bytes - m.total_bytes - sum(
-                o.used_bytes() for o in self._models.values() if o.held and o is not m)
-        least = _min_kv_bytes(engine)
-        return max(least, min(wanted, room // block * block))
-
-    def _kv_to_restore(self, m: ModelMemory) -> int:
-        return 0 if m.kv is None or m.kv_bytes else m.kv_capacity
-
-    def _restore_kv(self, m: ModelMemory) -> None:
-        if m.kv is not None and not m.kv_bytes:
-            m.kv.map(0, m.kv_capacity)
-            m.kv_bytes = m.kv_capacity
+            target = min(kv.chunks_for(usable + wanted), kv.num_chunks)
+            short = (target - kv.mapped_chunks) * kv.chunk_bytes - self._free()
+            if short > 0:
+                self._evict(short, m, SwitchReport(m.name, False, 0, 0, 0), strict=False)
+            room = max(0, self._free()) // kv.chunk_bytes
+            kv.map_chunks(min(target, kv.mapped_chunks + room))
+            return max(usable, kv.mapped_chunks * kv.chunk_blocks)
 
     def _drop_kv(self, m: ModelMemory) -> int:
         """Give back an idle model's KV cache (every block is free when no request is in flight)."""
-        if m.kv is None or not m.kv_bytes:
+        if not m.kv.mapped_chunks:
             return 0
-        m.kv.unmap(0, m.kv_capacity)
-        freed, m.kv_bytes = m.kv_bytes, 0
-        return freed
+        self._engines[m.name].blocks.give_back()
+        return m.kv.unmap_all()
 
     def _make_room(self, need: int, m: ModelMemory, report: SwitchReport) -> None:
         t = time.perf_counter()
@@ -264,8 +259,9 @@ class ModelPool:
                 self._evict(short, m, report)
         report.evict_s = time.perf_counter() - t
 
-    def _evict(self, short: int, incoming: ModelMemory, report: SwitchReport) -> None:
-        """Free at least SHORT bytes from models without requests in flight, or raise PoolError."""
+    def _evict(self, short: int, incoming: ModelMemory, report: SwitchReport, strict: bool = True) -> None:
+        """Free at least SHORT bytes from models without requests in flight, or raise PoolError (STRICT;
+        else free what can be freed)."""
         idle = [o for o in self._models.values()
                 if o is not incoming and not o.held and _is_idle(self._engines[o.name])]
         for o in sorted(idle, key=lambda o: o.last_used):  # idle KV caches first: they hold nothing of value
@@ -276,6 +272,8 @@ class ModelPool:
             self._note_evicted(report, o, freed)
         while short > 0:
             items = self._items(idle)
+            if not items and not strict:
+                return
             if not items:
                 raise PoolError(f"model {incoming.name!r} does not fit now: {_gib(short)} more are needed and the "
                                 "rest of the pool belongs to models with requests in flight")
@@ -318,7 +316,7 @@ class ModelPool:
         with self._lock:
             models = {
                 name: ModelStats(m.resident_bytes, m.resident_bytes if not m.held else 0, m.total_bytes,
-                                 m.kv_bytes, m.held, m.counters.loads, m.counters.switches,
+                                 m.kv.mapped_bytes, m.held, m.counters.loads, m.counters.switches,
                                  m.counters.last_switch_s, tuple(m.counters.switch_seconds))
                 for name, m in self._models.items()}
             used = self.budget_bytes - self._free()
@@ -330,19 +328,21 @@ class ModelPool:
             engine = self._engines[name]
             if m.started:
                 engine.shutdown()
-            for backing in (m.weights, m.kv):
+            for backing in (m.weights, m.kv.backing):
                 if backing is not None:
                     backing.close()
-            m.weights = m.kv = None
+            m.weights = m.kv.backing = None
             m.resident.clear()
-            m.kv_bytes = 0
+            m.kv.mapped_chunks = 0
             m.started = False
 
 
 class _Provider:
-    """The engine's MemoryProvider: its weights and KV cache from the pool's backings."""
+    """The engine's MemoryProvider: its weights and KV cache from the pool's backings, KV blocks on
+    demand."""
 
-    def __init__(self, m: ModelMemory) -> None:
+    def __init__(self, pool: ModelPool, m: ModelMemory) -> None:
+        self.pool = pool
         self.m = m
         self.provided = 0
 
@@ -352,30 +352,21 @@ class _Provider:
             self.provided += nbytes
             return m.weights.tensor[:nbytes]
         if name == "kv_cache":
-            from runtime.pool.backing import make_backing
-
-            m.kv = make_backing(nbytes, m.device)
-            m.kv_capacity = -(-nbytes // m.kv.granule) * m.kv.granule
-            m.kv.map(0, m.kv_capacity)
-            m.kv_bytes = m.kv_capacity
+            m.kv.backing = make_backing(nbytes, m.device)
+            m.kv.map_chunks(1)
             self.provided += nbytes
-            return m.kv.tensor[:nbytes]
+            return m.kv.backing.tensor[:nbytes]
         return None
+
+    def kv_capacity(self) -> "_Provider":
+        return self
+
+    def grant(self, usable: int, wanted: int) -> int:
+        return self.pool.grant_kv(self.m, usable, wanted)
 
     def other_bytes(self, engine) -> int:
         """What the engine allocated itself (rope table, decode buffers), beside the provided buffers."""
         return engine.runner.allocator.total_bytes - self.provided if engine.runner.device.type == "cpu" else 0
-
-
-def engine_kv_block_bytes(engine) -> int:
-    c = engine.model_config
-    itemsize = torch.empty((), dtype=getattr(torch, engine.config.dtype)).element_size()
-    return c.num_layers * 2 * engine.config.block_size * c.num_kv_heads * c.head_dim * itemsize
-
-
-def _min_kv_bytes(engine) -> int:
-    """The KV cache of one full-length sequence and the block CUDA graphs' padding writes to."""
-    return (-(-engine.max_model_len // engine.config.block_size) + 1) * engine_kv_block_bytes(engine)
 
 
 def _group_shares(m: ModelMemory) -> dict[int, int]:

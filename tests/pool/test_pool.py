@@ -29,19 +29,19 @@ def alone(layouts):
     return out
 
 
-def sizes(layouts):
-    """(weight bytes, the pool's need for one model: weights and its KV cache) of the largest model."""
+def needs(layouts) -> dict[str, tuple[int, int]]:
+    """Each model's (weight bytes, weights and the KV cache of one sequence) in a pool."""
     probe = ModelPool(torch.device("cpu"), 1 << 40)
     for preset, layout in layouts.items():
         probe.add(preset, build(layout))
-    return max(m.total_bytes for m in probe.stats().models.values())
+    return {name: (m.total_bytes, m.total_bytes + m.kv.least_bytes()) for name, m in probe._models.items()}
 
 
 @pytest.fixture
 def pool(layouts):
-    largest = sizes(layouts)
-    # room for two models' weights and KV caches, not three
-    pool = ModelPool(torch.device("cpu"), int(2.6 * largest))
+    sizes = needs(layouts)
+    # every model but not all three: half the smallest model's weights short
+    pool = ModelPool(torch.device("cpu"), sum(n for _, n in sizes.values()) - min(w for w, _ in sizes.values()) // 2)
     for preset, layout in layouts.items():
         pool.add(preset, build(layout))
     yield pool
