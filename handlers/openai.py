@@ -1,13 +1,15 @@
 """The default handler: OpenAI's /v1/chat/completions, /v1/completions and /v1/models.
 
-A request is parsed (handlers/openai_protocol.py), handed to the engine, and its first output awaited
-before any byte is sent: the engine rejects a prompt that does not fit the context at that point, and the
-client must get a 400, not a 200 stream that breaks. Then it is either streamed as Server-Sent Events or
-collected into one JSON body.
+A request is parsed (handlers/openai_protocol.py) on a worker thread, handed to the engine, and its first
+output awaited before any byte is sent: the engine rejects a prompt that does not fit the context at that
+point, and the client must get a 400, not a 200 stream that breaks. Then it is either streamed as
+Server-Sent Events or collected into one JSON body. From the moment its body is read until its response
+starts, a request is aborted as soon as its client disconnects.
 """
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
@@ -58,7 +60,20 @@ def json_response(content: Any, status: int = 200) -> Response:
 
 async def _generate(request: Request, state: AppState, endpoint: _Endpoint) -> Response:
     engine = state.require_engine()
-    req = endpoint.parse(parse_json(await request.body()), engine, state.model_name or engine.model_name)
+    body = parse_json(await request.body())
+    try:
+        # Watched from here on: a client that leaves while its prompt is rendered, queued or prefilled
+        # gives its queue place and KV blocks back at once, not once its first token is out.
+        return await unless_disconnected(request.receive, _answer(body, state, engine, endpoint))
+    except ClientDisconnect:
+        log.info("client disconnected, %s request aborted", request.url.path)
+        return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+
+
+async def _answer(body: dict[str, Any], state: AppState, engine: EngineView, endpoint: _Endpoint) -> Response:
+    # Rendering the chat template and tokenising leave the event loop: a prompt of megabytes takes seconds,
+    # and /health and every other request would wait for it.
+    req = await asyncio.to_thread(endpoint.parse, body, engine, state.model_name or engine.model_name)
     outputs = engine.generate(req.prompt, req.params, req.id)
     try:
         first = await anext(outputs)
@@ -66,11 +81,7 @@ async def _generate(request: Request, state: AppState, endpoint: _Endpoint) -> R
         raise bad_request(str(exc), exc.param) from None
     if req.stream:
         return EventStreamResponse(endpoint.events(req, first, outputs))
-    try:
-        text, logprobs, last = await unless_disconnected(request.receive, _collect(req, first, outputs))
-    except ClientDisconnect:
-        log.info("%s: client disconnected, request aborted", req.id)
-        return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+    text, logprobs, last = await _collect(req, first, outputs)
     return json_response(endpoint.respond(req, text, logprobs, last))
 
 

@@ -1,5 +1,6 @@
-"""OpenAI's request and response shapes: JSON bodies in, SamplingParams and prompts out; engine outputs in,
-`chat.completion(.chunk)` and `text_completion` objects out. No I/O here; handlers/openai.py does that."""
+"""OpenAI's request and response shapes: JSON bodies in, SamplingParams and prompts (token ids) out; engine
+outputs in, `chat.completion(.chunk)` and `text_completion` objects out. No I/O here; handlers/openai.py does
+that, and runs the parsing (template rendering and tokenising included) off the event loop."""
 
 from __future__ import annotations
 
@@ -242,7 +243,10 @@ def parse_completion(body: dict[str, Any], engine: EngineView, served: str) -> G
     if logprobs is not None and not 0 <= logprobs <= MAX_COMPLETIONS_LOGPROBS:
         raise bad_request(f"'logprobs' must be between 0 and {MAX_COMPLETIONS_LOGPROBS}, got {logprobs}", "logprobs")
     stream, include_usage = _stream_flags(f)
-    return GenerationRequest(f"cmpl-{uuid.uuid4().hex}", model, _completion_prompt(body.get("prompt")),
+    prompt = _completion_prompt(body.get("prompt"))
+    if isinstance(prompt, str):
+        prompt = engine.tokenizer.encode(prompt)
+    return GenerationRequest(f"cmpl-{uuid.uuid4().hex}", model, prompt,
                              _sampling_params(f, max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS, logprobs),
                              stream, include_usage)
 

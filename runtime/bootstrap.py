@@ -66,7 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from runtime.server.state import AppState
 
     state = AppState(Timeline(), model_name=served_model_name(settings))
-    app = build_app(state, [health.handler, handler], settings.api_key)
+    app = build_app(state, [health.handler, handler], settings.api_key, int(settings.max_request_mb * 2**20))
 
     def start() -> StartedEngine:
         return start_engine(settings, state.timeline)

@@ -182,6 +182,8 @@ class Settings:
     lambda_invoke_mode: str = _setting(
         "LAMBDA_INVOKE_MODE", _choice("buffered", "response_stream"), "buffered",
         "on AWS Lambda: how HTTP responses go back; match the Function URL's InvokeMode")
+    max_request_mb: float = _setting(
+        "MAX_REQUEST_MB", _positive_float, 8.0, "largest request body accepted (MiB); larger ones get a 413")
     shutdown_grace_s: float = _setting(
         "SHUTDOWN_GRACE_S", _non_negative_float, 30.0, "on SIGTERM, how long in-flight requests may finish")
     log_level: str = _setting(

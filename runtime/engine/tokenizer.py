@@ -44,7 +44,9 @@ class Tokenizer:
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch, not encode: it lets go of the GIL (encode holds it for the seconds a megabyte takes,
+        # and the server's event loop would stand still meanwhile)
+        ids = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         if (add_special_tokens and self.add_bos_token and self.bos_token_id is not None
                 and (not ids or ids[0] != self.bos_token_id)):
             ids = [self.bos_token_id] + ids

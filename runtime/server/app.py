@@ -11,17 +11,23 @@ from starlette.applications import Starlette
 from starlette.middleware import Middleware
 
 from runtime.server.auth import APIKeyMiddleware
+from runtime.server.body_limit import BodyLimitMiddleware
 from runtime.server.errors import EXCEPTION_HANDLERS
 from runtime.server.handler import Handler
 from runtime.server.state import AppState
 
+DEFAULT_MAX_REQUEST_BYTES = 8 << 20  # MAX_REQUEST_MB's default
 
-def build_app(state: AppState, handlers: Sequence[Handler], api_key: str | None = None) -> Starlette:
+
+def build_app(state: AppState, handlers: Sequence[Handler], api_key: str | None = None,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> Starlette:
     """Routes of `handlers` in order (the first route to match a path wins, so the health handler goes
     first and a custom handler cannot shadow the probes), then /metrics."""
     routes = [route for handler in handlers for route in handler.build_routes(state)]
     routes.append(state.metrics.route())
-    middleware = [Middleware(APIKeyMiddleware, api_key=api_key)] if api_key else []
+    middleware = [Middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)]
+    if api_key:
+        middleware.append(Middleware(APIKeyMiddleware, api_key=api_key))
     app = Starlette(routes=routes, middleware=middleware, exception_handlers=EXCEPTION_HANDLERS)
     app.state.thawllm = state
     load_async_backend()

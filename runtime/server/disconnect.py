@@ -1,8 +1,8 @@
-"""Cancel work whose client has gone away, for responses that are not streamed.
+"""Cancel work whose client has gone away, until a response starts (a streamed response watches for itself).
 
 Uvicorn does not cancel a request's task when its client disconnects; an ASGI app has to watch for
-`http.disconnect` itself. A buffered completion that nobody will read would otherwise keep its sequence
-in the batch (and its KV blocks) until max_tokens.
+`http.disconnect` itself. A request that nobody will read would otherwise keep its place in the queue, then
+its sequence in the batch (and its KV blocks) until max_tokens.
 """
 
 from __future__ import annotations
