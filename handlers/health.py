@@ -1,7 +1,8 @@
 """GET /health: the Knative readiness and startup probe, and the instance's cold-start report.
 
 503 while the engine starts (or after SIGTERM, or if it failed), 200 once it serves. The body says which
-restore path was taken, why the faster ones were skipped, how long each cold-start stage took (`timeline`)
+restore path was taken, why the faster ones were skipped, the order they were tried in (measured by
+faas-build: which was fastest, by how much), how long each cold-start stage took (`timeline`)
 and when each ran (`stages`: seconds since spawn; stages overlap where work runs in parallel).
 """
 
@@ -19,6 +20,8 @@ from runtime.server.state import AppState
 def health_report(state: AppState) -> dict:
     report = {"status": state.phase, "model": state.model_name, "restore_path": state.restore_path,
               "skipped": state.skipped, "timeline": state.timeline.durations(), "stages": state.timeline.as_json()}
+    if state.restore_order:
+        report["restore_order"] = state.restore_order
     if state.error:
         report["error"] = state.error
     if state.engine is not None:

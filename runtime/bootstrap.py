@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 from runtime import timeline as stages
 from runtime.config import ConfigError, Settings
 from runtime.logs import get_logger, setup_logging
-from runtime.start_paths import SkipPath
+from runtime.start_paths import SkipPath, read_restore_order
 from runtime.timeline import Timeline
 
 if TYPE_CHECKING:
@@ -26,9 +26,6 @@ if TYPE_CHECKING:
     from runtime.server.state import StartedEngine
 
 log = get_logger("bootstrap")
-
-#: the restore paths faster than cold, in the order tried when faas-build measured none (docs/architecture.md)
-FASTER_PATHS = ("gpu", "process", "materialized")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -83,18 +80,22 @@ def main(argv: Sequence[str] | None = None) -> int:
 # -- start paths ----------------------------------------------------------------------------------------
 
 def start_engine(settings: Settings, timeline: Timeline) -> StartedEngine:
-    """Choose and run a start path: the fastest restore path that can be taken here, else cold. A faster
-    path that is missing, mismatched or fails is skipped with its reason; the cold path always works."""
+    """Choose and run a start path: the restore paths in the order faas-build measured fastest (else gpu,
+    process, materialized), else cold. A path that is missing, mismatched or fails is skipped with its
+    reason; the cold path always works."""
     from runtime.server.state import StartedEngine
 
+    order = read_restore_order(settings.snapshot_dir)
+    if settings.restore == "auto" and settings.snapshot_dir is not None:
+        log.info("%s", order.summary())
     skipped: dict[str, str] = {}
-    for name in FASTER_PATHS:
+    for name in order.paths:
         if settings.restore not in ("auto", name):
             skipped[name] = f"RESTORE={settings.restore}"
             continue
         try:
             engine = RESTORERS[name](settings, timeline)
-            return StartedEngine(engine, name, skipped)
+            return StartedEngine(engine, name, skipped, order.report())
         except SkipPath as why:
             skipped[name] = str(why)
         except ConfigError:  # a bad setting fails every path alike: reported once, not fallen back from
@@ -104,7 +105,7 @@ def start_engine(settings: Settings, timeline: Timeline) -> StartedEngine:
             skipped[name] = f"failed: {type(exc).__name__}: {exc}"
     for name, why in skipped.items():
         log.info("restore path %s skipped: %s", name, why)
-    return StartedEngine(start_cold(settings, timeline), "cold", skipped)
+    return StartedEngine(start_cold(settings, timeline), "cold", skipped, order.report())
 
 
 def restore_gpu(settings: Settings, timeline: Timeline) -> "Engine":

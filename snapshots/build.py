@@ -1,10 +1,12 @@
 """faas-build: what a function image is built with, one step after another.
 
-    faas-build --model SRC --out DST [--snapshot-dir DIR [--snapshots auto|KIND,...]] [--dtype bfloat16]
-               [--file-gb 2] [--chunk-mb 64] [--hash xxh3-128] [--quiet]
+    faas-build --model SRC --out DST [--snapshot-dir DIR [--snapshots auto|KIND,...] [--time-restores 3]]
+               [--dtype bfloat16] [--file-gb 2] [--chunk-mb 64] [--hash xxh3-128] [--quiet]
 
 The snapshots are baked for the settings the function will boot with: the same environment variables as
-faas-bootstrap (DEVICE, MAX_MODEL_LEN, MAX_NUM_SEQS, GPU_MEMORY_UTILIZATION, ...), MODEL being --out.
+faas-bootstrap (DEVICE, MAX_MODEL_LEN, MAX_NUM_SEQS, GPU_MEMORY_UTILIZATION, ...), MODEL being --out. Then
+the function is started from each baked snapshot, in turns (--time-restores rounds), and the measured order
+is written beside them for RESTORE=auto (snapshots/restore_timing.py).
 
 Each step takes the build (arguments and what earlier steps produced) and adds to it; a step that cannot be
 done raises BuildError (or WeightsError) and the command prints one line, `faas-build: <reason>`, exit 2.
@@ -50,6 +52,7 @@ class Build:
     progress: bool
     snapshot_dir: Path | None = None  # where the snapshots go; None: no snapshots
     snapshots: list[str] | None = None  # the kinds asked for by name; None: every kind this machine can bake
+    time_restores: int = 3  # rounds of real starts from each baked snapshot, in turns; 0: none (fixed order)
     manifest: object | None = None  # runtime.weights.manifest.Manifest, once the weights step has run
 
 
@@ -79,9 +82,22 @@ def build_snapshots(build: Build) -> None:
     print("snapshots:", file=sys.stderr)
     for r in results:
         print(f"  {r.kind:<13} {r.status:<8} {r.seconds:7.1f} s  {r.detail}", file=sys.stderr)
+    baked = [r.kind for r in results if r.status == "baked"]
+    if baked and build.time_restores:
+        _time_restores(build, settings, model_dir, baked)
     failed = [r.kind for r in results if r.status == "failed"]
     if failed:
         raise BakeFailed(f"snapshots not baked: {', '.join(failed)} (see above); the others are in place")
+
+
+def _time_restores(build: Build, settings, model_dir: Path, baked: list[str]) -> None:
+    from snapshots.restore_timing import time_restore_paths
+
+    log.info("timing the restore paths: %d rounds of %s, in turns", build.time_restores, ", ".join(baked))
+    order, untimed = time_restore_paths(model_dir, settings.snapshot_dir, baked, build.time_restores)
+    print(f"  {order.summary()}", file=sys.stderr)
+    for kind, why in untimed.items():
+        print(f"  {kind} not timed: {why}", file=sys.stderr)
 
 
 #: run in order; each one sees what the ones before it produced
@@ -105,12 +121,17 @@ def parse_args(argv: Sequence[str]) -> Build:
                    help="chunk hash: xxh3-128 (a fast checksum) or a cryptographic blake3 / sha256")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.add_argument("--snapshot-dir", type=Path, help="bake the restore paths' snapshots here (SNAPSHOT_DIR at boot)")
+    p.add_argument("--time-restores", type=int, default=3, metavar="ROUNDS",
+                   help="start the function from each baked snapshot this many times, in turns, and record the "
+                        "fastest order for RESTORE=auto (0: none; auto keeps the fixed order)")
     p.add_argument("--snapshots", default="auto",
                    help="auto (every kind this machine can bake) or a comma-separated list of "
                         "materialized, process, gpu (each must then be baked)")
     a = p.parse_args(argv)
     if a.file_gb <= 0 or a.chunk_mb <= 0:
         raise BuildError("--file-gb and --chunk-mb must be positive")
+    if a.time_restores < 0:
+        raise BuildError("--time-restores must be 0 or more")
     kinds = None if a.snapshots == "auto" else [k.strip() for k in a.snapshots.split(",") if k.strip()]
     unknown = [k for k in kinds or [] if k not in SNAPSHOT_KINDS]
     if unknown or kinds == []:
@@ -118,7 +139,7 @@ def parse_args(argv: Sequence[str]) -> Build:
     if a.snapshot_dir is not None and a.out.startswith("s3://"):
         raise BuildError("--snapshot-dir needs a local --out: a snapshot restores from the directory it was baked with")
     return Build(a.model, a.out, a.dtype, int(a.file_gb * GiB), int(a.chunk_mb * MiB), a.hash, not a.quiet,
-                 a.snapshot_dir, kinds)
+                 a.snapshot_dir, kinds, a.time_restores)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

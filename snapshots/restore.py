@@ -8,6 +8,10 @@ snapshot holds. materialized runs in the bootstrap's own process.
 A path is taken only if its snapshot exists, its fingerprint matches this machine and its prerequisites
 hold; otherwise SkipPath(reason). A CRIU restore that fails midway is undone (the restored tree killed) and
 the bootstrap starts fresh: no second CRIU attempt.
+
+The paths are tried in the order faas-build measured (runtime/start_paths.py: `read_restore_order`). Where
+materialized was measured faster than a CRIU path and its snapshot fits, that CRIU path is not restored:
+the bootstrap goes on to the materialized path in its own process.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import TYPE_CHECKING, Callable
 from runtime import timeline as stages
 from runtime.config import Settings
 from runtime.logs import get_logger
-from runtime.start_paths import SkipPath
+from runtime.start_paths import SkipPath, read_restore_order
 from runtime.timeline import Timeline
 from snapshots import thawed
 from snapshots.criu import Criu, find_criu, restore_blockers
@@ -49,7 +53,15 @@ def take_over(settings: Settings, argv: list[str]) -> int | None:
     if thawed.current is not None:
         return None  # this is the restored process: the engine is in thawed.current
     _skipped.clear()
-    for kind in CRIU_PATHS:
+    order = read_restore_order(settings.snapshot_dir).paths if settings.restore == "auto" else CRIU_PATHS
+    for position, kind in enumerate(order):
+        if kind == "materialized":
+            why_not = materialized_unfit(settings)
+            if why_not is None:  # measured faster than the CRIU paths after it, and it fits
+                for later in order[position + 1:]:
+                    _skipped.setdefault(later, "materialized was measured faster and fits")
+                return None
+            continue
         try:
             criu, image, hooks = _usable(kind, settings)
         except SkipPath as why:
@@ -65,8 +77,9 @@ def take_over(settings: Settings, argv: list[str]) -> int | None:
         except Exception as exc:  # undone by thaw; start fresh, once
             log.warning("restore path %s failed, starting fresh: %s", kind, exc)
             _skipped[kind] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            for later in CRIU_PATHS[CRIU_PATHS.index(kind) + 1:]:
-                _skipped.setdefault(later, f"not tried after the {kind} restore failed")
+            for later in order[position + 1:]:
+                if later in CRIU_PATHS:
+                    _skipped.setdefault(later, f"not tried after the {kind} restore failed")
             return None
         from snapshots.supervise import supervise
 
@@ -127,8 +140,18 @@ def restore_materialized(settings: Settings, timeline: Timeline, build: Callable
     return engine
 
 
-def materialized_state(settings: Settings) -> tuple[int, "MaterializedGraphs"]:
-    """(KV blocks, graph restorer) from `<SNAPSHOT_DIR>/materialized`, if it is there and fits."""
+def materialized_unfit(settings: Settings) -> str | None:
+    """Why the materialized snapshot cannot be used here, or None if it can (its fingerprint only: cheap)."""
+    try:
+        _materialized_dir(settings)
+    except SkipPath as why:
+        return str(why)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"unusable: {type(exc).__name__}: {exc}"
+    return None
+
+
+def _materialized_dir(settings: Settings) -> Path:
     from snapshots.materialized import DIRNAME, FINGERPRINT
 
     if settings.snapshot_dir is None:
@@ -138,6 +161,12 @@ def materialized_state(settings: Settings) -> tuple[int, "MaterializedGraphs"]:
         raise SkipPath(f"no materialized snapshot in {settings.snapshot_dir}")
     baked = Fingerprint.from_dict(json.loads((directory / FINGERPRINT).read_text()))
     check_fingerprint(baked, current_fingerprint(settings), "materialized")
+    return directory
+
+
+def materialized_state(settings: Settings) -> tuple[int, "MaterializedGraphs"]:
+    """(KV blocks, graph restorer) from `<SNAPSHOT_DIR>/materialized`, if it is there and fits."""
+    directory = _materialized_dir(settings)
     from snapshots.cudagraph.restore import MaterializedGraphs
     from snapshots.materialized import load_kv_blocks
 

@@ -3,6 +3,7 @@ finished, and the token counts the server reported."""
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -40,7 +41,7 @@ async def stream_completion(client: httpx.AsyncClient, url: str, prompt: Prompt,
     timing = RequestTiming(sent_at=time.time())
     try:
         async with client.stream("POST", f"{url}/v1/completions", content=orjson.dumps(body), timeout=timeout,
-                                 headers={"Content-Type": "application/json"}) as response:
+                                 headers=_headers()) as response:
             if response.status_code != 200:
                 detail = (await response.aread()).decode(errors="replace")[:200]
                 timing.error = f"HTTP {response.status_code}: {detail}"
@@ -53,6 +54,12 @@ async def stream_completion(client: httpx.AsyncClient, url: str, prompt: Prompt,
     if timing.error is None and timing.first_token_at is None:
         timing.error = "the stream ended without a token"
     return timing
+
+
+def _headers() -> dict[str, str]:
+    # the servers the bench starts inherit this environment, API_KEY included
+    key = os.environ.get("API_KEY")
+    return {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
 
 
 def _take_event(timing: RequestTiming, line: str) -> None:

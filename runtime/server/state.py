@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from runtime import timeline as stages
 from runtime.server.engine_view import EngineView
@@ -31,6 +31,8 @@ class StartedEngine:
     engine: "Engine"
     restore_path: str
     skipped: dict[str, str] = field(default_factory=dict)
+    #: the order the paths were tried in and what it rests on (runtime/start_paths.py: RestoreOrder.report)
+    restore_order: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -43,6 +45,7 @@ class AppState:
     #: which start path produced the engine, and why each faster one was not taken
     restore_path: str | None = None
     skipped: dict[str, str] = field(default_factory=dict)
+    restore_order: dict[str, Any] = field(default_factory=dict)
     error: str | None = None
     ready_at: float | None = None
     metrics: ServerMetrics = field(init=False)
@@ -58,6 +61,7 @@ class AppState:
         self.model_name = self.model_name or started.engine.model_name
         self.restore_path = started.restore_path
         self.skipped = dict(started.skipped)
+        self.restore_order = dict(started.restore_order)
         self.timeline.mark(stages.READY, restore_path=started.restore_path)
         self.ready_at = time.time()
         if self.phase == "starting":

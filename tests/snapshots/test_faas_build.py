@@ -1,9 +1,11 @@
-"""faas-build end to end on a CPU machine with real CRIU: one command writes the layout and bakes every
-snapshot this machine can bake (process here; materialized and gpu skipped with a reason), and a
-faas-bootstrap pointed at what it wrote restores the process snapshot and serves the layout's model."""
+"""faas-build end to end on a CPU machine with real CRIU: one command writes the layout, bakes every
+snapshot this machine can bake (process here; materialized and gpu skipped with a reason) and times a real
+start from each; a faas-bootstrap pointed at what it wrote restores the process snapshot, serves the layout's
+model and reports the measured order."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -25,13 +27,19 @@ def faas_build(*args: str, **env: str) -> subprocess.CompletedProcess:
 def test_faas_build_bakes_what_this_machine_can_and_the_function_boots_from_it(tiny_model_dir, tmp_path):
     out, snapshots = tmp_path / "baked" / "model", tmp_path / "baked" / "snapshots"
     r = faas_build("--model", str(tiny_model_dir), "--out", str(out), "--snapshot-dir", str(snapshots),
-                   "--dtype", "float32", "--quiet", **ENGINE_ENV)
+                   "--dtype", "float32", "--quiet", "--time-restores", "2", **ENGINE_ENV)
     assert r.returncode == 0, r.stderr
     summary = r.stderr[r.stderr.index("snapshots:"):]
     assert "process       baked" in summary
     assert "materialized  skipped" in summary and "needs a GPU" in summary
     assert (out / "manifest.json").is_file() and (snapshots / "process" / "manifest.json").is_file()
     assert not (snapshots / "materialized").exists() and not (snapshots / "gpu").exists()
+    # two real starts from the process snapshot, timed spawn -> first token; the only path it could bake
+    measured = json.loads((snapshots / "restore-order.json").read_text())
+    assert measured["order"] == ["process"] and measured["rounds"] == 2
+    runs = measured["paths"]["process"]["runs_s"]
+    assert len(runs) == 2 and all(0 < s < 120 for s in runs)
+    assert "restore order process, gpu, materialized (measured by faas-build" in summary
 
     cold = start_server(tmp_path, "cold", MODEL=str(tiny_model_dir), API_KEY=API_KEY, **ENGINE_ENV)
     try:
@@ -43,10 +51,14 @@ def test_faas_build_bakes_what_this_machine_can_and_the_function_boots_from_it(t
                           SERVED_MODEL_NAME="tiny-llama", **ENGINE_ENV)
     try:
         server.wait_ready()
-        assert httpx.get(f"{server.url}/health", timeout=5).json()["restore_path"] == "process"
+        health = httpx.get(f"{server.url}/health", timeout=5).json()
+        assert health["restore_path"] == "process"
+        assert health["restore_order"]["source"] == "measured" and health["restore_order"]["fastest"] == "process"
+        assert health["restore_order"]["seconds"] == {"process": measured["paths"]["process"]["median_s"]}
         assert greedy_text(server) == expected
     finally:
         assert server.stop() == 0
+    assert "restore order process, gpu, materialized (measured by faas-build" in server.log()
 
 
 def test_a_snapshot_kind_asked_for_by_name_that_cannot_be_baked_fails_the_build(tiny_model_dir, tmp_path):
