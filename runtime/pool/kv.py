@@ -29,7 +29,7 @@ class KVMemory:
         self.chunk_bytes = self.chunk_blocks * self.block_bytes
         self.per_sequence = -(-engine.max_model_len // config.block_size)
         self.wanted_blocks = config.max_num_seqs * self.per_sequence + 1
-        self.num_blocks = 0  # of the cache, fixed at the first start
+        self.num_blocks = 0  # of the cache, fixed at the first start (size())
         self.mapped_chunks = 0
         self.backing: Backing | None = None
 
@@ -40,11 +40,11 @@ class KVMemory:
     def chunks_for(self, blocks: int) -> int:
         return -(-blocks // self.chunk_blocks)
 
-    def size(self, room_bytes: int) -> int:
-        """Fix the cache's blocks: what max_num_seqs full sequences need, at most what ROOM_BYTES hold (the
-        pool beside this model's weights), at least one sequence; whole chunks."""
-        fit = max(room_bytes // self.chunk_bytes, self.chunks_for(self.per_sequence + 1))
-        self.num_blocks = min(self.chunks_for(self.wanted_blocks), fit) * self.chunk_blocks
+    def size(self) -> int:
+        """Fix the cache's blocks: what max_num_seqs full-length sequences need, in whole chunks. Only an
+        address range: memory comes chunk by chunk. It depends on the engine's settings alone, not on the
+        pool, so that materialised CUDA graphs baked for it find the same allocations at boot."""
+        self.num_blocks = self.chunks_for(self.wanted_blocks) * self.chunk_blocks
         return self.num_blocks
 
     @property

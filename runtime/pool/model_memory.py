@@ -11,8 +11,8 @@ import torch
 from runtime.engine.weight_plan import WeightPlan
 from runtime.pool.backing import Backing, make_backing
 from runtime.pool.eviction import RequestRate
-from runtime.pool.kv import KVMemory
 from runtime.pool.groups import Segment, WeightGroup, layer_bytes, plan_groups, plan_segments, tensor_groups
+from runtime.pool.kv import KVMemory
 
 
 @dataclass

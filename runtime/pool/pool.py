@@ -87,6 +87,7 @@ class ModelPool:
         self._switching = threading.Lock()  # one activation at a time: they share the device's bandwidth
         self._last_active: str | None = None
         self._granule = _granule(self.device)
+        self._headroom = 0
 
     # -- models ------------------------------------------------------------------------------------
 
@@ -208,8 +209,7 @@ class ModelPool:
         m.map_groups(list(range(len(m.groups))))
         report.map_s = time.perf_counter() - t
         provider = _Provider(self, m)
-        before = _torch_reserved(self.device)
-        kv_blocks = m.kv.size(self.budget_bytes - m.total_bytes)
+        kv_blocks = m.kv.size()
         try:
             engine.start(kv_blocks=kv_blocks, graph_restorer=self._graph_restorers[m.name], memory=provider)
         except BaseException:
@@ -220,10 +220,15 @@ class ModelPool:
             raise
         with self._lock:
             m.started = True
-            m.fixed_bytes = provider.other_bytes(engine) + max(0, _torch_reserved(self.device) - before)
+            m.fixed_bytes = provider.other_bytes(engine)
+            self._headroom = max(self._headroom, activation_bytes(engine))
         durations = engine.timeline.durations()
         report.stream_s = durations.get(stages.WEIGHTS, 0.0)
         report.graphs_s = durations.get(stages.CUDA_GRAPHS, 0.0)
+        graphs = engine.timeline.get(stages.CUDA_GRAPHS)
+        if graphs is not None:  # a materialised restore loads the graphs' kernels beside the weight stream
+            report.kernels_s = graphs.detail.get("early_kernels_s", 0.0)
+            report.kernels_critical_s = graphs.detail.get("kernels_wait_s", 0.0)
         report.bytes_loaded = m.resident_bytes
         m.load_bytes_per_s = engine.plan.total_bytes / max(report.stream_s, 1e-9)
         return report
@@ -302,7 +307,14 @@ class ModelPool:
             report.bytes_evicted += freed
 
     def _free(self) -> int:
-        return self.budget_bytes - sum(o.used_bytes() for o in self._models.values())
+        return self.budget_bytes - sum(o.used_bytes() for o in self._models.values()) - self._torch_bytes()
+
+    def _torch_bytes(self) -> int:
+        """On CUDA, what torch's allocator holds for every engine (graph pools, decode buffers, activations),
+        and at least room for the largest step's activations: the pool cannot see those grow."""
+        if self.device.type != "cuda":
+            return 0
+        return max(torch.cuda.memory_reserved(self.device), self._headroom)
 
     def _model(self, name: str) -> ModelMemory:
         m = self._models.get(name)
@@ -369,6 +381,11 @@ class _Provider:
         return engine.runner.allocator.total_bytes - self.provided if engine.runner.device.type == "cpu" else 0
 
 
+def pooled_kv_blocks(engine, device: torch.device) -> int:
+    """The KV cache blocks ENGINE gets in a pool on DEVICE (faas-build bakes a pooled model's graphs for it)."""
+    return KVMemory(engine, _granule(device)).size()
+
+
 def _group_shares(m: ModelMemory) -> dict[int, int]:
     """Each resident group's share of the mapped bytes (a segment two groups share counts half to each)."""
     share = {g: 0 for g in m.resident}
@@ -394,8 +411,14 @@ def _granule(device: torch.device) -> int:
     return mmap.PAGESIZE
 
 
-def _torch_reserved(device: torch.device) -> int:
-    return torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
+def activation_bytes(engine) -> int:
+    """A generous bound of the largest step's activations on ENGINE: its widest projections over the most
+    tokens a step takes, twice (inputs and outputs live together), and the logits of a full batch."""
+    c, config = engine.model_config, engine.config
+    itemsize = torch.empty((), dtype=getattr(torch, config.dtype)).element_size()
+    tokens = max(config.max_num_batched_tokens, engine.max_model_len)
+    widest = 2 * c.intermediate_size + 4 * c.hidden_size + c.q_size + 2 * c.kv_size
+    return 2 * tokens * widest * itemsize + 2 * config.max_num_seqs * c.vocab_size * 4
 
 
 def _gib(n: int) -> str:
