@@ -99,4 +99,4 @@ class ModelMemory:
         return frozenset(c for i in indices for c in self.groups[i].chunks)
 
     def note_request(self, now: float | None = None) -> None:
-        self.rate.note(time.monotonic() if now is None else now)
+        self.rate.note(time.time() if now is None else now)

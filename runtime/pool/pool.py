@@ -132,7 +132,8 @@ class ModelPool:
             m.held -= 1
 
     def note_request(self, name: str, now: float | None = None) -> None:
-        """A request for NAME arrived (its rate weighs the value of keeping its groups)."""
+        """A request for NAME arrived at NOW (time.time(); default: now). Its rate weighs the value of keeping
+        the model's groups."""
         with self._lock:
             self._model(name).note_request(now)
 
@@ -291,7 +292,7 @@ class ModelPool:
                 self._note_evicted(report, o, freed)
 
     def _items(self, models: list[ModelMemory]) -> list[Item]:
-        now = time.monotonic()
+        now = time.time()
         items = []
         for o in models:
             share = _group_shares(o)
