@@ -98,7 +98,16 @@ class MappedRange:
         self.ptr, self.size = reserve(self._prop, nbytes)
         self.granule = granularity(self._prop)
         self._handles: dict[int, tuple[int, object]] = {}  # start -> (end, handle)
-        self.tensor = torch.as_tensor(_CudaArray(self.ptr, self.size, self), device=device)
+        self._device = device
+        self._tensor: torch.Tensor | None = None
+
+    @property
+    def tensor(self) -> torch.Tensor:
+        """A uint8 view of the whole range; made on first use, once the start of the range is mapped (torch
+        asks the driver which device an address belongs to, and an unmapped one belongs to none)."""
+        if self._tensor is None:
+            self._tensor = torch.as_tensor(_CudaArray(self.ptr, self.size, self), device=self._device)
+        return self._tensor
 
     def map(self, start: int, end: int) -> None:
         if start % self.granule or end % self.granule or not 0 <= start < end <= self.size:

@@ -10,6 +10,7 @@ How a switch proceeds and why is in docs/multi-model.md.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass, field
@@ -211,8 +212,12 @@ class ModelPool:
         report.map_s = time.perf_counter() - t
         provider = _Provider(self, m)
         kv_blocks = m.kv.size()
+        restorer = self._graph_restorers[m.name]
+        if restorer is None:  # the cold start's order: weights, then the KV cache, then graphs captured
+            engine.config = dataclasses.replace(engine.config, num_kv_blocks=kv_blocks)
         try:
-            engine.start(kv_blocks=kv_blocks, graph_restorer=self._graph_restorers[m.name], memory=provider)
+            engine.start(kv_blocks=kv_blocks if restorer is not None else None, graph_restorer=restorer,
+                         memory=provider)
         except BaseException:
             with self._lock:
                 m.unmap_groups(list(range(len(m.groups))))
