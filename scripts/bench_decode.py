@@ -186,7 +186,9 @@ def main() -> None:
               f"{r['eager_tok_s']:>12.0f} {r['transformers_tok_s']:>10.0f} {r['graphs_vs_eager']:>8.2f} "
               f"{r['graphs_vs_transformers']:>6.2f} {extra}")
     if args.out:
-        args.out.write_text(json.dumps(rows, indent=2))
+        from runtime.bench.machine import describe_machine
+
+        args.out.write_text(json.dumps({"command": sys.argv, "machine": describe_machine(), "rows": rows}, indent=2))
     print("\nbatch 1 with every projection through cuBLAS (no GEMV kernel), same engine, same run:")
     for r in rows:
         if "cublas_at_batch_1" in r:

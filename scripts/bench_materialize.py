@@ -118,7 +118,10 @@ def main() -> None:
                   f"loading phase {v['loading_reduction']:.1%} shorter")
         print(f"{r['shape']:<12} bake {r['bake_s']:.1f} s")
     if args.out:
-        args.out.write_text(json.dumps(results, indent=2))
+        from runtime.bench.machine import describe_machine
+
+        args.out.write_text(json.dumps({"command": sys.argv, "machine": describe_machine(), "results": results},
+                                       indent=2))
 
 
 if __name__ == "__main__":

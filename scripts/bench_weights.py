@@ -1,9 +1,10 @@
 """Weight loading bandwidth: this loader beside the usual ways and beside the machine's limits, in one run.
 
 For each shape (a random-weight model of a real shape, scripts/model_shapes.py), GiB/s of:
-  limit_read      the layout files read in parallel (16 threads, 64 MiB preadv) and thrown away; measured in
-                  turns with `loader` (limit, loader, limit, ...), so their ratio compares the same moments
-  limit_h2d       pinned host memory -> GPU, 256 MiB copies (GPU only)
+  parallel_read   the layout files read by 16 threads at once (64 MiB preadv) and thrown away: the same
+                  files, read without the loader; measured in turns with `loader` (read, loader, read, ...),
+                  so their ratio compares the same moments
+  pinned_copy     pinned host memory -> GPU, 256 MiB copies (GPU only)
   loader          runtime/weights/loader.py into the engine's flat buffer, as the engine runs it: on a GPU
                   each chunk checked there once it lands (device checksums), on CPU hashed on the host.
                   Timed like the engine's weights stage, from the load call until every chunk is verified;
@@ -23,7 +24,7 @@ For each shape (a random-weight model of a real shape, scripts/model_shapes.py),
                   streams a gpu snapshot's weights during the restore (GPU only)
   --sweep         the loader (verified) over a grid of reader threads x read size x pinned slots per reader
 each from the page cache (warm) and, as root, from cold disk (echo 3 > /proc/sys/vm/drop_caches first; the
-read limit and the loaders in --cold-repeat rounds in turns, the others once).
+parallel read and the loaders in --cold-repeat rounds in turns, the others once).
 Prints a table and writes JSON to --out.
 
     python scripts/bench_weights.py --shapes qwen2-1.5b llama-3-8b --out /tmp/bench-weights.json
@@ -68,7 +69,7 @@ def drop_caches() -> bool:
 
 def settle() -> None:
     """Write back what building the models and layouts left dirty in the page cache: while the kernel writes
-    GiBs back, loads measured beside it are slower than the read limit measured apart from it, and nothing in a
+    GiBs back, loads measured beside it are slower than the parallel read measured apart from it, and nothing in a
     deployed image is being written back when the runtime starts."""
     t = time.perf_counter()
     os.sync()
@@ -94,7 +95,7 @@ _BUFFERS = threading.local()
 
 
 def read_files(paths: list[Path], chunk: int = 64 * MiB) -> None:
-    """The read limit: 16 threads, preadv of 64 MiB into reused buffers, data thrown away."""
+    """The parallel read: 16 threads, preadv of 64 MiB into reused buffers, data thrown away."""
     fds = {p: os.open(p, os.O_RDONLY) for p in paths}
 
     def read(job):
@@ -189,7 +190,7 @@ def warm_and_cold(name: str, fn, files: list[Path], nbytes: int, device: str, re
 
 
 def in_turns(fns: dict, files: list[Path], nbytes: int, device: str, repeat: int, cold_repeat: int) -> dict[str, dict]:
-    """As warm_and_cold, for several modes measured in turns (a, b, a, b, ...): the read limit moved by 10-20%
+    """As warm_and_cold, for several modes measured in turns (a, b, a, b, ...): the parallel read moved by 10-20%
     between blocks of runs on the H100 machine, and a ratio of two modes taken in different blocks moved with
     it. Cold runs (page cache dropped before each) are taken in turns too, `cold_repeat` rounds. Also the median
     of the per-round ratios of each mode to the first."""
@@ -284,15 +285,15 @@ def bench_shape(shape: str, args, work: Path) -> dict:
         options = dataclasses.replace(options, read_bytes=args.read_mb * MiB)
     print(f"{shape}: {nbytes / GiB:.2f} GiB in {len(files)} files", flush=True)
     cold = not args.no_cold
-    result = {"shape": shape, "bytes": nbytes, "files": len(files), "limit_h2d_gib_s": h2d_limit(device)}
-    if result["limit_h2d_gib_s"] is not None:
-        result["limit_h2d_gib_s"] = round(result["limit_h2d_gib_s"], 2)
-        print(f"  {'limit_h2d':<16} {result['limit_h2d_gib_s']}", flush=True)
+    result = {"shape": shape, "bytes": nbytes, "files": len(files), "pinned_copy_gib_s": h2d_limit(device)}
+    if result["pinned_copy_gib_s"] is not None:
+        result["pinned_copy_gib_s"] = round(result["pinned_copy_gib_s"], 2)
+        print(f"  {'pinned_copy':<16} {result['pinned_copy_gib_s']}", flush=True)
     t = time.perf_counter()
     load = prepared_load(layout, device, options)
     made_s = round(time.perf_counter() - t, 4)  # the manifest read, readers started, buffer allocated: not timed
     from_python = prepared_load(layout, device, dataclasses.replace(options, native=False))
-    result |= in_turns({"limit_read": lambda: read_files(files), "loader": load, "loader_python": from_python},
+    result |= in_turns({"parallel_read": lambda: read_files(files), "loader": load, "loader_python": from_python},
                        files, nbytes, device, args.repeat, args.cold_repeat if cold else 0)
     result["loader"]["made_s"] = made_s
     del load, from_python  # their weight buffers
@@ -339,9 +340,9 @@ def _percent(x: float | None) -> str:
 
 def table(results: list[dict]) -> str:
     by_hash = [f"loader_host_{h}" for h in HASHES]
-    rows = [f"{'shape':<12} {'GiB':>6} | {'read lim':>14} {'h2d lim':>7} | {'loader':>12} {'python':>12} | "
+    rows = [f"{'shape':<12} {'GiB':>6} | {'16-thr read':>14} {'pinned':>7} | {'loader':>12} {'python':>12} | "
             + " ".join(f"{'host ' + h:>12}" for h in HASHES) + f" {'window':>6} {'no hash':>7} | {'safetensors':>14} "
-            f"{'transformers':>12} | {'s3':>6} {'s3->cache':>9} | {'loader/limit':>12} {'per round':>9} "
+            f"{'transformers':>12} | {'s3':>6} {'s3->cache':>9} | {'loader/read':>12} {'per round':>9} "
             f"{'cold, per':>9}"]
 
     def wc(row: dict | None) -> str:
@@ -350,10 +351,10 @@ def table(results: list[dict]) -> str:
         return f"{row['warm_gib_s']}/{row.get('cold_gib_s', '-')}"
 
     for r in results:
-        limit = min(x for x in (r["limit_read"]["warm_gib_s"], r["limit_h2d_gib_s"]) if x)
+        limit = min(x for x in (r["parallel_read"]["warm_gib_s"], r["pinned_copy_gib_s"]) if x)
         s3 = r.get("loader_s3", {})
-        rows.append(f"{r['shape']:<12} {r['bytes'] / GiB:6.2f} | {wc(r['limit_read']):>14} "
-                    f"{r['limit_h2d_gib_s'] or '-':>7} | {wc(r['loader']):>12} {wc(r.get('loader_python')):>12} | "
+        rows.append(f"{r['shape']:<12} {r['bytes'] / GiB:6.2f} | {wc(r['parallel_read']):>14} "
+                    f"{r['pinned_copy_gib_s'] or '-':>7} | {wc(r['loader']):>12} {wc(r.get('loader_python')):>12} | "
                     + " ".join(f"{wc(r.get(k)):>12}" for k in by_hash)
                     + f" {r['loader_hash_windows']['warm_gib_s']:>6} {r['loader_nohash']['warm_gib_s']:>7} | "
                     f"{wc(r['safetensors']):>14} "
@@ -364,8 +365,8 @@ def table(results: list[dict]) -> str:
         "\n(GiB/s, warm page cache / cold disk. loader: as the engine runs it (on a GPU, checked there); python: "
         "the same, read from Python; host: "
         "hashed on the host with each chunk hash, piece by piece; window: host "
-        f"{DEFAULT_HASH} in 1 MiB windows as each piece is read; no hash: unverified (warm); loader/limit: warm "
-        "loader against min(read, h2d); per round: median of loader/read over the rounds taken in turns, warm "
+        f"{DEFAULT_HASH} in 1 MiB windows as each piece is read; no hash: unverified (warm); loader/read: warm "
+        "loader against min(16-thread read, pinned copy); per round: median of loader/read over the rounds taken in turns, warm "
         "and cold)")
 
 
@@ -381,7 +382,7 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--sweep", action="store_true", help="also the loader over threads x read size x slots")
     p.add_argument("--no-cold", action="store_true")
-    p.add_argument("--cold-repeat", type=int, default=3, help="cold rounds of the read limit and the loader, in turns")
+    p.add_argument("--cold-repeat", type=int, default=3, help="cold rounds of the parallel read and the loaders, in turns")
     p.add_argument("--no-transformers", action="store_true")
     others = [h for h in HASHES if h != DEFAULT_HASH]
     p.add_argument("--compare-hashes", nargs="*", default=others, choices=others, metavar="HASH",

@@ -3,7 +3,7 @@ runtime/weights/_native_reader*.so): a piece is read, and on a GPU copied throug
 slots, in one call that holds no GIL.
 
 Built as an optional extension: where it could not be built (no C compiler at install), `native()` is None,
-says why once, and the loader reads from Python (on a GPU, ~10 points below the read limit; docs/weights.md).
+says why once, and the loader reads from Python (slower on a GPU: docs/weights.md).
 """
 
 from __future__ import annotations

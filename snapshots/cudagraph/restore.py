@@ -56,7 +56,7 @@ class MaterializedGraphs:
 
     #: A restore that builds no graph above this batch size runs before the weight copies start. Its kernels
     #: are Triton's (runtime/engine/kernels/gemv.py), and a module load copies its code to the GPU, behind the
-    #: copies: beside them each took ten times as long on the H100. A larger one runs beside them: its kernels
+    #: copies: beside them each took longer on the H100. A larger one runs beside them: its kernels
     #: are mostly cuBLAS's, whose loads are CPU-bound, and they overlap the stream (docs/snapshots.md).
     BEFORE_WEIGHTS_UP_TO = 8
 
