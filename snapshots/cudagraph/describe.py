@@ -10,7 +10,7 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass, field
 
-from snapshots.cudagraph import driver as cu
+from runtime.cuda_driver import graphs as cu
 from snapshots.cudagraph.records import (ALLOC, EmptyNode, GraphRecord, KernelNode, MemsetNode, Node, Relocation,
                                         encode_attribute)
 from snapshots.cudagraph.relocate import RegionIndex
@@ -60,7 +60,7 @@ def topological_order(graph: int) -> list[int]:
     while pending:
         ready = [h for h in pending if all(d in done for d in deps[h])]
         if not ready:
-            raise cu.CudaError("graph has a dependency cycle")
+            raise cu.DriverError("graph has a dependency cycle")
         for h in ready:
             order.append(h)
             done.add(h)
@@ -80,7 +80,7 @@ def parameter_buffer(params: cu.KernelNodeParams, func: int) -> bytes:
         for i, (offset, n) in enumerate(layout):
             source = params.kernelParams[i]
             if not source:
-                raise cu.CudaError(f"kernel node has no value for parameter {i}")
+                raise cu.DriverError(f"kernel node has no value for parameter {i}")
             buffer[offset:offset + n] = ctypes.string_at(source, n)
         return bytes(buffer)
     if params.extra:
@@ -95,7 +95,7 @@ def parameter_buffer(params: cu.KernelNodeParams, func: int) -> bytes:
             elif key == cu.LAUNCH_PARAM_BUFFER_SIZE:
                 size = ctypes.c_size_t.from_address(value).value
         if pointer is None or size is None:
-            raise cu.CudaError("kernel node's extra[] has no parameter buffer")
+            raise cu.DriverError("kernel node's extra[] has no parameter buffer")
         return ctypes.string_at(pointer, size)
     return b""
 

@@ -22,9 +22,9 @@ from typing import Callable
 
 import torch
 
+from runtime.cuda_driver import graphs as cu
 from runtime.engine.model_runner import ModelRunner
 from runtime.logs import get_logger
-from snapshots.cudagraph import driver as cu
 from snapshots.cudagraph.describe import kernel_function
 
 log = get_logger("snapshots.cudagraph")

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from runtime.cuda_driver import graphs as cu
 from runtime.engine.model_runner import ModelRunner
-from snapshots.cudagraph import driver as cu
 from snapshots.cudagraph.describe import describe_graph
 from snapshots.cudagraph.records import (ALLOC, SEGMENT, GraphRecord, GraphSet, KernelNode, MemsetNode, Relocation,
                                         RelocationTable, SegmentRecord)

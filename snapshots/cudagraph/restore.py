@@ -21,9 +21,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from runtime.cuda_driver import graphs as cu
 from runtime.engine.model_runner import ModelRunner
 from runtime.logs import get_logger
-from snapshots.cudagraph import driver as cu
 from snapshots.cudagraph.kernels import KernelLoad, kernel_handles, load_kernels, warm_cublas
 from snapshots.cudagraph.records import (ALLOC, KINDS, SEGMENT, EmptyNode, GraphRecord, GraphSet, KernelNode,
                                          MemsetNode, Relocation, RelocationTable, decode_attribute)
@@ -177,7 +177,7 @@ class MaterializedGraphs:
                                                                self._bases)
             except KeyError as missing:
                 fallbacks[record.batch_size] = f"kernel {str(missing)[:80]} is not loaded in this process"
-            except cu.CudaError as exc:
+            except cu.DriverError as exc:
                 fallbacks[record.batch_size] = str(exc)
         # no device synchronise here: it waited for the weight stream too (0.5-0.7 s of the 8B shape's
         # build_s on the H100, for 4 graphs), and nothing here needs the device to be idle

@@ -1,14 +1,16 @@
-"""The few CUDA driver calls that reading and rebuilding graphs needs, through ctypes.
+"""The driver calls that reading and rebuilding CUDA graphs needs (snapshots/cudagraph), through ctypes.
 
 Restoring a graph adds thousands of nodes; each call here is one C call on one packed struct, which keeps
 the restore cheap (cuda-bindings builds Python objects per field and per parameter). Every call is checked
-and fails with the driver's own error name.
+and fails with DriverError naming the driver's own error.
 """
 
 from __future__ import annotations
 
 import ctypes
 from ctypes import POINTER, byref, c_char_p, c_int, c_size_t, c_uint, c_uint64, c_void_p
+
+from runtime.cuda_driver import DriverError
 
 # CUgraphNodeType
 NODE_KERNEL, NODE_MEMCPY, NODE_MEMSET, NODE_EMPTY = 0, 1, 2, 5
@@ -26,10 +28,6 @@ ATTRIBUTE_VALUE_BYTES = 64
 POINTER_ATTRIBUTE_MEMORY_TYPE, POINTER_ATTRIBUTE_RANGE_START, POINTER_ATTRIBUTE_RANGE_SIZE = 2, 11, 12
 MEMORY_TYPE_DEVICE = 2
 ERROR_INVALID_VALUE = 1
-
-
-class CudaError(RuntimeError):
-    pass
 
 
 class KernelNodeParams(ctypes.Structure):
@@ -72,7 +70,7 @@ def check(result: int, what: str) -> None:
         name, text = c_char_p(), c_char_p()
         lib().cuGetErrorName(result, byref(name))
         lib().cuGetErrorString(result, byref(text))
-        raise CudaError(f"{what} failed: {(name.value or b'?').decode()} ({(text.value or b'').decode()})")
+        raise DriverError(f"{what} failed: {(name.value or b'?').decode()} ({(text.value or b'').decode()})")
 
 
 def graph_nodes(graph: int) -> list[int]:

@@ -1,13 +1,15 @@
-"""The few CUDA driver calls the runtime makes itself, through cuda-bindings and without torch: checking a
-call's result, the virtual memory pieces shared by the engine's releasable buffers (runtime/engine/vmm.py)
-and the CUDA restore helper's exportable memory (snapshots/weights_during_restore.py), and the context's
-stack limit (released around a gpu snapshot's checkpoint, snapshots/frozen.py)."""
+"""The one Python binding to the CUDA driver, without torch. Here, through cuda-bindings: checking a call's
+result, the virtual memory pieces shared by the engine's releasable buffers (runtime/engine/vmm.py) and the
+CUDA restore helper's exportable memory (snapshots/weights_during_restore.py), and the context's stack limit
+(released around a gpu snapshot's checkpoint, snapshots/frozen.py). In `graphs`, through ctypes: the calls a
+CUDA graph's description and rebuild make thousands of times (snapshots/cudagraph). The loader's native
+reader (runtime/weights/native_reader.c) opens libcuda from C for its copies."""
 
 from __future__ import annotations
 
 
 class DriverError(RuntimeError):
-    pass
+    """A driver call failed; the message names the call and the driver's error."""
 
 
 def call(result: tuple, name: str):
