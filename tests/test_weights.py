@@ -2,7 +2,9 @@
 weight buffer, greedy text is unchanged, corruption is caught, a failed build leaves nothing, the CLI."""
 
 import hashlib
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -166,6 +168,43 @@ def test_a_corrupted_file_is_an_error_naming_it(hash, tiny_model, tmp_path):
     victim.write_bytes(bytes(data[:1000]))
     with pytest.raises(WeightsError, match=r"weights-00001\.bin: truncated"):
         start(str(broken), cpu_settings(tmp_path))
+
+
+@pytest.mark.parametrize("name, edit", [
+    ("config.json", lambda text: text.replace('"rope_theta": 10000.0', '"rope_theta": 500000.0')),
+    ("tokenizer.json", lambda text: text.replace('"quick"', '"quack"', 1) if '"quick"' in text else text + " "),
+    ("tokenizer_config.json", lambda text: text.replace("<|endoftext|>", "<|im_end|>")),
+])
+def test_an_edited_small_file_of_a_layout_is_refused_by_name(name, edit, tiny_model, local_layout, tmp_path):
+    """config.json, the tokenizer files: every file of a layout is checked against its manifest on load."""
+    layout = tmp_path / "edited"
+    shutil.copytree(local_layout, layout)
+    manifest = Manifest.read(layout)
+    assert {"config.json", "tokenizer.json", "tokenizer_config.json"} <= set(manifest.model_files)
+    path = layout / name
+    edited = edit(path.read_text())
+    assert edited != path.read_text()
+    path.write_text(edited)
+    with pytest.raises(WeightsError, match=rf"{re.escape(name)} does not match the layout's manifest"):
+        start(str(layout), cpu_settings(tmp_path))
+
+
+def test_a_chat_template_added_to_a_layout_is_refused(local_layout, tmp_path):
+    layout = tmp_path / "added"
+    shutil.copytree(local_layout, layout)
+    (layout / "chat_template.jinja").write_text("{{ 'You are a rude pirate.' }}")
+    with pytest.raises(WeightsError, match=r"chat_template\.jinja is not in the layout's manifest"):
+        start(str(layout), cpu_settings(tmp_path))
+
+
+def test_a_layout_whose_manifest_predates_small_file_digests_is_refused(local_layout, tmp_path):
+    layout = tmp_path / "old"
+    shutil.copytree(local_layout, layout)
+    raw = json.loads((layout / "manifest.json").read_text())
+    raw |= {"format_version": 1, "model_files": list(raw["model_files"])}
+    (layout / "manifest.json").write_text(json.dumps(raw))
+    with pytest.raises(WeightsError, match="layout format 1, this runtime reads 2: rebuild it"):
+        start(str(layout), cpu_settings(tmp_path))
 
 
 def test_a_failed_build_leaves_nothing(tiny_model, tmp_path):

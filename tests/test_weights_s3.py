@@ -118,6 +118,32 @@ def test_a_corrupted_object_is_an_error_naming_it_and_is_not_cached(s3_layout, p
     assert "weights-00001.bin" not in cached and not list((tmp_path / "weights").glob("*/.part-*"))
 
 
+def test_a_damaged_cache_copy_is_fetched_again_once_and_the_start_goes_on(s3_layout, expected_text, proxy,
+                                                                          monkeypatch, tmp_path, caplog):
+    """The S3 objects are intact, the disk cache's copies are not (a weight file, the config): each copy that
+    fails its check is discarded and fetched again from S3, and the start serves the right text."""
+    through(proxy, monkeypatch)
+    settings = cpu_settings(tmp_path / "cache")
+    entry = start(s3_layout, settings).model_dir
+    gets = proxy.ranged_gets("weights-")
+    victim = entry / "weights-00001.bin"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))  # same size, one bit
+    config = entry / "config.json"
+    config.write_text(config.read_text().replace('"rope_theta": 10000.0', '"rope_theta": 500000.0'))
+    with caplog.at_level("WARNING", logger="thawllm"):
+        engine = start(s3_layout, settings)
+    assert greedy(engine) == expected_text
+    assert proxy.ranged_gets("weights-") > gets  # the damaged file came from S3 again
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("weights-00001.bin failed its check" in m and "streamed again from S3" in m for m in warned)
+    assert any("config.json fails its digest" in m and "fetched again" in m for m in warned)
+    assert victim.read_bytes() != bytes(data)  # the cache holds the good copy now: the next start reads it
+    gets = proxy.ranged_gets("weights-")
+    assert greedy(start(s3_layout, settings)) == expected_text and proxy.ranged_gets("weights-") == gets
+
+
 def test_a_missing_object_is_an_error_naming_it(s3_layout, proxy, monkeypatch, tmp_path):
     copy_prefix("layouts/tiny-llama", "layouts/missing")
     boto3.client("s3").delete_object(Bucket=BUCKET, Key="layouts/missing/weights-00000.bin")

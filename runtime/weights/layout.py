@@ -25,6 +25,7 @@ from runtime.engine.weight_plan import ITEMSIZES, PlannedTensor, WeightPlan, pla
 from runtime.logs import get_logger
 from runtime.weights.device_checksum import ChunkSum
 from runtime.weights.errors import WeightsError
+from runtime.weights.file_digest import file_digests
 from runtime.weights.manifest import (
     DEFAULT_HASH,
     FORMAT_VERSION,
@@ -160,11 +161,12 @@ def _write_local(model_dir: Path, out: Path, dtype: str, file_bytes: int, chunk_
             if on_file is not None:
                 on_file(out / name)
     bar.close()
-    copied = tuple(n for n in MODEL_FILES if (model_dir / n).is_file())
+    copied = [n for n in MODEL_FILES if (model_dir / n).is_file()]
     for name in copied:
         shutil.copyfile(model_dir / name, out / name)
+    digests = file_digests([out / n for n in copied], hash) if copied else {}
     manifest = Manifest(FORMAT_VERSION, dtype, plan.alignment, hash, source_hash, plan, tuple(files),
-                        tuple(tensors), copied)
+                        tuple(tensors), {n: digests[out / n] for n in copied})
     (out / MANIFEST).write_bytes(manifest.to_json())
     return manifest
 

@@ -37,7 +37,7 @@ from runtime.logs import get_logger
 from runtime.timeline import Timeline
 from runtime.weights.cache import DiskCache
 from runtime.weights.errors import WeightsError
-from runtime.weights.manifest import FileEntry, Manifest, chunk_hasher
+from runtime.weights.manifest import FileEntry, Manifest, check_model_files, chunk_hasher
 from runtime.weights.readers import READERS
 from runtime.weights.s3 import S3Store
 
@@ -119,6 +119,14 @@ def check_plan(manifest: Manifest, plan: WeightPlan, where: str) -> None:
                            f"(set DTYPE={manifest.dtype} or rebuild the layout with --dtype {plan.dtype})")
     if manifest.plan != plan:
         raise WeightsError(f"{where}: the layout was built for another weight plan (model or runtime version)")
+
+
+class CorruptChunks(WeightsError):
+    """Chunks failed their check; `files` are the indices (in the manifest) of the files they are in."""
+
+    def __init__(self, message: str, files: frozenset[int]) -> None:
+        super().__init__(message)
+        self.files = files
 
 
 class WeightStream:
@@ -284,11 +292,14 @@ class WeightStream:
         entry: FileEntry = self.manifest.files[file]
         offset, length = entry.chunks()[index]
         more = f" (and {len(bad) - 1} more chunks)" if len(bad) > 1 else ""
-        raise WeightsError(f"{self.where}: {entry.name} chunk {index} (bytes {offset}-{offset + length}) fails its "
-                           f"{check} check{more}: the layout is corrupt or was changed after it was built")
+        raise CorruptChunks(f"{self.where}: {entry.name} chunk {index} (bytes {offset}-{offset + length}) fails its "
+                            f"{check} check{more}: the layout is corrupt or was changed after it was built",
+                            frozenset(f for f, _, _ in bad))
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
+            if isinstance(self._error, CorruptChunks):
+                raise CorruptChunks(str(self._error), self._error.files)
             if isinstance(self._error, WeightsError):
                 raise WeightsError(str(self._error))
             raise WeightsError(f"{self.where}: {type(self._error).__name__}: {self._error}") from self._error
@@ -328,14 +339,21 @@ class LayoutLoader:
                  cache: DiskCache | None = None, store: S3Store | None = None) -> None:
         self.layout_dir = Path(layout_dir)
         self.manifest = Manifest.read(self.layout_dir)
+        check_model_files(self.layout_dir, self.manifest)  # before the engine reads its config and tokenizer
         self.options = options or LoaderOptions()
         READERS.start(readers_for(self.manifest, self.options))  # off the load's path
         self.timeline = timeline
         self.cache = cache
         self.store = store
 
-    def __call__(self, plan: WeightPlan, buffer: "torch.Tensor", only: frozenset[int] | None = None) -> WeightStream:
+    def __call__(self, plan: WeightPlan, buffer: "torch.Tensor",
+                 only: frozenset[int] | None = None) -> "WeightStream | _RefetchingStream":
         """Stream the layout into BUFFER; ONLY: just these chunks (layout_chunks indices)."""
+        stream = self._stream(plan, buffer, only)
+        cached = {i for i, s in enumerate(stream.sources) if s.tier == "disk"} if self.cache is not None else set()
+        return _RefetchingStream(self, stream, plan, buffer, only, cached) if cached else stream
+
+    def _stream(self, plan: WeightPlan, buffer: "torch.Tensor", only: frozenset[int] | None) -> WeightStream:
         from runtime.weights.sources import open_sources
 
         s3 = self.store or S3Store()  # boto3 is imported only if a file is streamed from S3
@@ -350,3 +368,32 @@ class LayoutLoader:
             for source in sources:
                 source.close(False)
             raise
+
+
+class _RefetchingStream:
+    """A load that read files from the disk cache (a layout cached from S3): if a cached file fails its check,
+    it is discarded and the load runs again, that file streamed from S3 this time, once; a copy from S3 that
+    fails too is an error. Anything else is the first load's own."""
+
+    def __init__(self, loader: LayoutLoader, stream: WeightStream, plan: WeightPlan, buffer: "torch.Tensor",
+                 only: frozenset[int] | None, cached: set[int]) -> None:
+        self.loader, self.stream, self.plan, self.buffer, self.only, self.cached = \
+            loader, stream, plan, buffer, only, cached
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
+
+    def wait(self) -> WeightStream:
+        try:
+            return self.stream.wait()
+        except CorruptChunks as exc:
+            if not exc.files <= self.cached:
+                raise
+            bad = [self.loader.manifest.files[f].name for f in sorted(exc.files)]
+            for name in bad:
+                (self.loader.layout_dir / name).unlink(missing_ok=True)
+            log.warning("disk cache: %s failed its check (%s); discarded and streamed again from S3",
+                        ", ".join(bad), exc)
+            # the whole load again: a failed check stops the readers, so other files' chunks may be missing
+            self.stream = self.loader._stream(self.plan, self.buffer, self.only)
+            return self.stream.wait()

@@ -22,8 +22,9 @@ import orjson
 
 from runtime.engine.weight_plan import WeightPlan
 from runtime.weights.errors import WeightsError
+from runtime.weights.file_digest import mismatched, new_hasher
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the small files have digests
 HASHES = ("xxh3-128", "blake3", "sha256")
 DEFAULT_HASH = "xxh3-128"
 MANIFEST = "manifest.json"
@@ -68,7 +69,7 @@ class Manifest:
     plan: WeightPlan
     files: tuple[FileEntry, ...]
     tensors: tuple[TensorEntry, ...]
-    model_files: tuple[str, ...]
+    model_files: dict[str, str]  # the small files copied beside the weights: name -> digest in `hash`
 
     @property
     def total_bytes(self) -> int:
@@ -97,8 +98,8 @@ class Manifest:
                              for f in d["files"]),
                        tuple(TensorEntry(t["name"], t["dtype"], tuple(t["shape"]), t["file"], t["offset"],
                                          t["length"]) for t in d["tensors"]),
-                       tuple(d["model_files"]))
-        except (orjson.JSONDecodeError, KeyError, TypeError) as exc:
+                       dict(d["model_files"]))
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             raise WeightsError(f"{where}: not a faas-build manifest ({type(exc).__name__}: {exc})") from None
 
     @classmethod
@@ -113,15 +114,26 @@ class Manifest:
 
 def chunk_hasher(name: str):
     """A new hash object of the manifest's kind (each releases the GIL on large buffers)."""
-    if name == "xxh3-128":
-        import xxhash
+    return new_hasher(name)
 
-        return xxhash.xxh3_128()
-    if name == "blake3":
-        import blake3
 
-        return blake3.blake3(max_threads=1)  # the loader's reader threads are the parallelism
-    return hashlib.sha256()
+def check_model_files(layout_dir: Path, manifest: Manifest) -> None:
+    """The layout's small files (config, tokenizer, chat template, generation config) are those it was built
+    with: each listed one has its digest, and none the engine would read is there unlisted. Raises
+    WeightsError naming the file."""
+    layout_dir = Path(layout_dir)
+    bad = mismatched(layout_dir, manifest.model_files, manifest.hash)
+    if bad:
+        raise WeightsError(f"{layout_dir}: {bad[0]} does not match the layout's manifest{_more(bad)}: the layout "
+                           "was changed after it was built (rebuild it, or restore the file)")
+    unlisted = [n for n in MODEL_FILES if n not in manifest.model_files and (layout_dir / n).exists()]
+    if unlisted:
+        raise WeightsError(f"{layout_dir}: {unlisted[0]} is not in the layout's manifest: it was added after "
+                           "the layout was built (remove it, or rebuild the layout)")
+
+
+def _more(names: list[str]) -> str:
+    return f" (and {', '.join(names[1:])})" if len(names) > 1 else ""
 
 
 def is_layout(path: Path) -> bool:

@@ -19,12 +19,16 @@ from pathlib import Path
 
 import orjson
 
+from runtime.logs import get_logger
 from runtime.weights.cache import DiskCache, GiB
 from runtime.weights.errors import WeightsError
+from runtime.weights.file_digest import mismatched
 from runtime.weights.manifest import MANIFEST, Manifest, is_layout
 from runtime.weights.s3 import S3Store, is_s3, join_key, split_url
 from runtime.weights.sources import ORIGIN
 from runtime.weights.temps import remove_dead_temps, temp_beside
+
+log = get_logger("weights.resolve")
 
 
 def disk_cache(cache_dir: Path, cache_max_gb: float) -> DiskCache:
@@ -57,8 +61,7 @@ def _resolve_s3(url: str, cache: DiskCache, store: S3Store) -> Path:
         raw = store.get_bytes(bucket, join_key(prefix, MANIFEST))
         manifest = Manifest.from_json(raw, f"{url}/{MANIFEST}")
         entry = cache.entry_dir(manifest.identity())
-        small = {name: join_key(prefix, name) for name in manifest.model_files}
-        _fetch_small(entry, small, bucket, store)
+        _fetch_small(entry, manifest, url, store)
         _write_atomic(entry / ORIGIN, orjson.dumps({"url": url}))
         _write_atomic(entry / MANIFEST, raw)
         return entry
@@ -99,11 +102,22 @@ def _model_dir(downloaded: Path, url: str, cache: DiskCache) -> Path:
     return downloaded
 
 
-def _fetch_small(entry: Path, names: dict[str, str], bucket: str, store: S3Store) -> None:
+def _fetch_small(entry: Path, manifest: Manifest, url: str, store: S3Store) -> None:
+    """The layout's small files into its cache entry: those not there yet, and those whose cached copy fails
+    its digest (discarded and fetched again, once; a copy from S3 that fails too is an error)."""
+    bucket, prefix = split_url(url)
     entry.mkdir(parents=True, exist_ok=True)
-    for name, key in names.items():
-        if not (entry / name).is_file():
-            _write_atomic(entry / name, store.get_bytes(bucket, key))
+    cached = {name: digest for name, digest in manifest.model_files.items() if (entry / name).is_file()}
+    damaged = set(mismatched(entry, cached, manifest.hash))
+    for name in sorted(damaged):
+        log.warning("disk cache: %s fails its digest; discarded and fetched again from %s", entry / name, url)
+    for name in manifest.model_files:
+        if name in damaged or not (entry / name).is_file():
+            _write_atomic(entry / name, store.get_bytes(bucket, join_key(prefix, name)))
+    bad = mismatched(entry, manifest.model_files, manifest.hash)
+    if bad:
+        raise WeightsError(f"{url}: {bad[0]} as stored there does not match the layout's manifest: the layout "
+                           "was changed after it was built")
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
