@@ -30,12 +30,12 @@ from handlers.openai_protocol import (
     parse_json,
     usage_chunk,
 )
-from runtime.engine.outputs import RequestOutput, TokenLogprob
+from runtime.engine.outputs import RequestCut, RequestOutput, TokenLogprob
 from runtime.engine.sampling_params import InvalidParams
 from runtime.logs import get_logger
 from runtime.server.disconnect import unless_disconnected
 from runtime.server.engine_view import EngineView
-from runtime.server.errors import APIError, bad_request
+from runtime.server.errors import APIError, bad_request, cut_by_shutdown
 from runtime.server.handler import Handler
 from runtime.server.sse import DONE, EventStreamResponse, event
 from runtime.server.state import AppState
@@ -102,6 +102,9 @@ async def _collect(req: GenerationRequest, out: RequestOutput,
 
 def _error_event(req: GenerationRequest, exc: Exception) -> bytes:
     # Headers (200) are gone already: OpenAI's streams report a late failure as an error event.
+    if isinstance(exc, RequestCut):
+        log.warning("%s: stream ended by the shutdown", req.id)
+        return event(cut_by_shutdown(exc).body())
     log.error("%s: generation failed mid-stream", req.id, exc_info=exc)
     return event(APIError(500, str(exc), type="server_error").body())
 

@@ -28,7 +28,7 @@ from runtime.engine.grammar import GrammarCompiler
 from runtime.engine.model_config import ModelConfig
 from runtime.engine.model_runner import KVProfile, ModelRunner, PendingTokens
 from runtime.engine.models.llama import build_on_meta
-from runtime.engine.outputs import EngineStats, RequestOutput, TokenLogprob
+from runtime.engine.outputs import EngineStats, RequestCut, RequestOutput, TokenLogprob
 from runtime.engine.sampler import SampledBatch, SampledToken, Sampler
 from runtime.engine.sampling_params import InvalidParams, SamplingParams
 from runtime.engine.scheduler import ScheduledBatch, Scheduler
@@ -304,6 +304,11 @@ class Engine:
     async def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
 
+    def cut_requests(self, reason: str) -> None:
+        """End every request now: each `generate()` raises RequestCut(reason) and its blocks are freed (a
+        shutdown whose grace period is over). Any thread."""
+        self._inbox.put(("cut", reason))
+
     def reset_step_counts(self) -> None:
         """Forget the steps run so far (stats() counts from here): after a warm-up (runtime/engine/warm_up.py)."""
         self._steps = self._steps_run_ahead = 0
@@ -380,6 +385,9 @@ class Engine:
                 self.scheduler.add(item.seq)
             elif kind == "abort":
                 self._finish(item, "abort")
+            elif kind == "cut":
+                for request_id in list(self._requests):
+                    self._fail(request_id, RequestCut(item))
 
     def _step(self) -> bool:
         """Schedule and launch a step; with async scheduling, launch it before reading the last step's
@@ -483,7 +491,7 @@ class Engine:
             return
         self.scheduler.finish(request.seq, "abort")
         self.sampler.forget(request_id)
-        _deliver(request, RuntimeError(f"generation failed: {exc}"))
+        _deliver(request, exc if isinstance(exc, RequestCut) else RuntimeError(f"generation failed: {exc}"))
 
 
 def _deliver(request: _Request, item: RequestOutput | BaseException) -> None:

@@ -5,6 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+class RequestCut(RuntimeError):
+    """The request was ended before it finished because the server stops (its shutdown grace period ran out):
+    raised by `generate()` in place of the next output."""
+
+
 @dataclass
 class TokenLogprob:
     token_id: int

@@ -45,6 +45,10 @@ class EngineView:
     async def abort(self, request_id: str) -> None:
         await self._engine.abort(request_id)
 
+    def cut_requests(self, reason: str) -> None:
+        """End every request in flight with RequestCut(reason): the shutdown's grace period is over."""
+        self._engine.cut_requests(reason)
+
     async def generate(self, prompt: str | list[int], params: SamplingParams,
                        request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         """The engine's stream, measured. Raises InvalidParams before the first output. Closing this

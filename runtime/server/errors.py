@@ -13,6 +13,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
+from runtime.engine.outputs import RequestCut
 from runtime.logs import get_logger
 
 log = get_logger("server")
@@ -42,6 +43,11 @@ class APIError(Exception):
         return Response(orjson.dumps(self.body()), self.status, self.headers, media_type="application/json")
 
 
+def cut_by_shutdown(exc: RequestCut) -> APIError:
+    """A request the shutdown's grace period ended: the client may retry elsewhere."""
+    return APIError(503, f"the server shut down before the request finished: {exc}", code="shutting_down")
+
+
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
 
@@ -69,10 +75,15 @@ async def http_exception_handler(request: Request, exc: Exception) -> Response:
                     headers=exc.headers).response()
 
 
+async def request_cut_handler(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestCut)
+    return cut_by_shutdown(exc).response()
+
+
 async def server_error_handler(request: Request, exc: Exception) -> Response:
     log.error("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
     return APIError(500, f"internal error: {type(exc).__name__}: {exc}", type="server_error").response()
 
 
 EXCEPTION_HANDLERS = {APIError: api_error_handler, HTTPException: http_exception_handler,
-                      Exception: server_error_handler}
+                      RequestCut: request_cut_handler, Exception: server_error_handler}

@@ -76,6 +76,11 @@ class AppState:
         if self.phase != "failed":
             self.phase = "draining"
 
+    def cut_requests(self, reason: str) -> None:
+        """The drain's grace period is over: every request still in the engine ends with RequestCut."""
+        if self.engine is not None:
+            self.engine.cut_requests(reason)
+
     @property
     def ready(self) -> bool:
         return self.phase == "ready"
