@@ -50,7 +50,11 @@ setup() {
 
 tests() {
     say "GPU tests"
-    "$PY" -m pytest -q -rA -m gpu --junitxml="$RESULTS/gpu-tests.xml" tests 2>&1 | tee "$RESULTS/gpu-tests.txt"
+    # only the files that hold GPU tests: the others may import packages (moto) a GPU image need not have
+    local files
+    files=$(grep -rlE "pytest\.mark\.gpu" tests --include='test_*.py' | sort)
+    "$PY" -m pytest -q -rA -m gpu --junitxml="$RESULTS/gpu-tests.xml" $files 2>&1 | tee "$RESULTS/gpu-tests.txt" \
+        || say "GPU tests failed (the steps after this one still run)"
 }
 
 model_dir() { echo "$MODELS/$1"; }
