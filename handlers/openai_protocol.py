@@ -267,9 +267,10 @@ def _completion_prompt(prompt: Any) -> str | list[int]:
 
 # -- responses -------------------------------------------------------------------------------------------
 
-def usage(out: RequestOutput) -> dict[str, int]:
+def usage(out: RequestOutput) -> dict[str, Any]:
     return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
-            "total_tokens": out.prompt_tokens + out.completion_tokens}
+            "total_tokens": out.prompt_tokens + out.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": out.cached_tokens}}
 
 
 def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:

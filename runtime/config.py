@@ -140,7 +140,9 @@ class Settings:
     max_num_seqs: int | None = _setting(
         "MAX_NUM_SEQS", _optional_positive_int, None, "most sequences in a batch (default 256 cuda, 16 cpu)")
     max_num_batched_tokens: int | None = _setting(
-        "MAX_NUM_BATCHED_TOKENS", _optional_positive_int, None, "most tokens in one step (default 8192)")
+        "MAX_NUM_BATCHED_TOKENS", _optional_positive_int, None,
+        "most tokens in one step; longer prompts are prefilled in slices beside the decodes (default 2048 cuda, "
+        "512 cpu)")
     gpu_memory_utilization: float = _setting(
         "GPU_MEMORY_UTILIZATION", _fraction, 0.90, "share of GPU memory the engine may use")
     pool_memory_gb: float | None = _setting(
@@ -152,6 +154,9 @@ class Settings:
         "several models: which retained weights go when the pool is short: cost (reload time weighted by "
         "request rate, per weight group) or lru (whole models, least recently used first)")
     enforce_eager: bool = _setting("ENFORCE_EAGER", _bool, False, "never use CUDA graphs")
+    enable_prefix_caching: bool = _setting(
+        "ENABLE_PREFIX_CACHING", _bool, True,
+        "reuse the KV cache of a prompt's longest prefix computed before (off: every prompt computed whole)")
     async_scheduling: bool = _setting(
         "ASYNC_SCHEDULING", _bool, True,
         "launch each decode step before reading the last one's tokens (off: one step at a time)")

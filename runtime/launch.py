@@ -29,9 +29,9 @@ def engine_config(settings: Settings, device: str | None = None) -> EngineConfig
     return EngineConfig(
         device=device, dtype=dtype, max_model_len=settings.max_model_len,
         max_num_seqs=settings.max_num_seqs or (256 if device == "cuda" else 16),
-        max_num_batched_tokens=settings.max_num_batched_tokens or 8192,
+        max_num_batched_tokens=settings.max_num_batched_tokens or (2048 if device == "cuda" else 512),
         gpu_memory_utilization=settings.gpu_memory_utilization, enforce_eager=settings.enforce_eager,
-        async_scheduling=settings.async_scheduling)
+        async_scheduling=settings.async_scheduling, enable_prefix_caching=settings.enable_prefix_caching)
 
 
 def build_engine(model_dir: Path, config: EngineConfig, timeline: Timeline | None = None,

@@ -55,6 +55,9 @@ def on_device(meta):
     ([1, 1, 1], [1, 17, 130], 1),                    # decode, one tile per sequence
     ([5, 1, 20, 1], [5, 30, 37, 64], 16),            # prefill, decode and prefill-after-cache mixed
     ([33], [100], 4),                                # a prompt continued after a prefix already cached
+    # slices of prompts after cached context, each starting mid-block, beside decodes (chunked prefill)
+    ([7, 1, 31, 16, 1], [40, 17, 95, 64, 130], 16),
+    ([3, 12, 5], [19, 77, 5], 4),                    # slices shorter and longer than a tile, and a whole prompt
 ])
 def test_paged_attention_matches_reference(query_lens, seq_lens, block_q):
     from runtime.engine.kernels.paged_attention import paged_attention

@@ -1,20 +1,33 @@
-"""The paged KV cache's bookkeeping: which fixed-size blocks each sequence owns.
+"""The paged KV cache's bookkeeping: which fixed-size blocks each sequence owns, and which blocks hold a
+prefix that a new sequence may reuse.
 
 Block ids index the KV cache tensors (runtime/engine/model_runner.py). Blocks are handed out as a
 sequence grows and returned when it finishes, is aborted or is preempted.
 
+Prefix caching: once every token of a full block is computed and known, the block is keyed by a hash of
+its tokens chained to the hash of the block before it, so equal keys mean equal prefixes. A new sequence
+claims the longest run of cached blocks that starts its tokens (reference-counted, shared with whoever else
+holds them) and computes only the rest. Its last token is always computed, so its logits exist: a shared
+block is full, and a sequence writes only past its computed tokens, so a shared block is never written.
+Freed blocks keep their content and key until a block is needed and no empty one is left: then the least
+recently freed cached block is evicted.
+
 Under a multi-model pool (runtime/pool) the cache's memory comes on demand: only the blocks below
-`usable` are backed, and when none of them is free the manager asks its `KVCapacity` for more (the pool
-backs more of the cache, giving back retained weights of idle models if it must); when it gets none, the
-scheduler preempts as it does with a fixed cache. `give_back()` returns every block of an idle engine.
+`usable` are backed, and when none of them is free (cached ones counted as free) the manager asks its
+`KVCapacity` for more (the pool backs more of the cache, giving back retained weights of idle models if it
+must); when it gets none, the scheduler preempts as it does with a fixed cache. `give_back()` returns every
+block of an idle engine, and forgets what they cached.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from array import array
+from collections import OrderedDict, deque
 from typing import Protocol
 
-from runtime.engine.sequence import Sequence
+import xxhash
+
+from runtime.engine.sequence import PENDING, Sequence
 
 
 class KVCapacity(Protocol):
@@ -24,41 +37,122 @@ class KVCapacity(Protocol):
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, reserved: int = 0,
-                 capacity: KVCapacity | None = None) -> None:
+    def __init__(self, num_blocks: int, block_size: int, reserved: int = 0, capacity: KVCapacity | None = None,
+                 prefix_caching: bool = True) -> None:
         # The first `reserved` blocks are never handed out: padded rows of a CUDA graph batch write there.
         self.block_size = block_size
         self.num_blocks = num_blocks - reserved
+        self.prefix_caching = prefix_caching
         self._reserved = reserved
         self._capacity = capacity
         self._usable = num_blocks if capacity is None else reserved
-        self._free: deque[int] = deque(range(reserved, self._usable))
+        self._empty: deque[int] = deque(range(reserved, self._usable))  # free, holding nothing reusable
+        self._evictable: OrderedDict[int, None] = OrderedDict()       # free and cached, least recently freed first
+        self._refs = [0] * num_blocks
+        self._key_of: dict[int, int] = {}         # cached block -> its key
+        self._block_of: dict[int, int] = {}       # key -> cached block
+        self._tokens_of: dict[int, bytes] = {}    # cached block -> its tokens, checked on every hit
+        self.query_tokens = 0   # tokens looked up in the prefix cache (every admission's whole sequence)
+        self.hit_tokens = 0     # of which found there
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._empty) + len(self._evictable)
 
     @property
     def num_used(self) -> int:
-        return self._usable - self._reserved - len(self._free)
+        return self._usable - self._reserved - self.num_free
 
-    def _have_free(self, needed: int) -> bool:
-        if needed > len(self._free) and self._capacity is not None:
-            usable = min(self._capacity.grant(self._usable, needed - len(self._free)), self.num_blocks + self._reserved)
-            self._free.extend(range(self._usable, usable))
-            self._usable = max(self._usable, usable)
-        return needed <= len(self._free)
+    @property
+    def num_cached(self) -> int:
+        return len(self._block_of)
+
+    # -- prefix cache ------------------------------------------------------------------------------
+
+    def cached_prefix(self, seq: Sequence) -> list[int]:
+        """The cached blocks that start `seq`'s tokens, longest run first to last; nothing is claimed."""
+        if not self.prefix_caching:
+            return []
+        tokens = _packed(seq.token_ids())
+        found: list[int] = []
+        key = None
+        for i in range((seq.num_tokens - 1) // self.block_size):  # the last token is always computed
+            chunk = self._chunk(tokens, i)
+            key = _key(key, chunk)
+            block = self._block_of.get(key)
+            if block is None or self._tokens_of[block] != chunk:
+                break
+            found.append(block)
+        return found
+
+    def can_admit(self, cached: list[int], num_tokens: int) -> bool:
+        """Whether a sequence that claims `cached` has room for `num_tokens` tokens."""
+        needed = -(-num_tokens // self.block_size) - len(cached)
+        return self._have_free(needed + sum(1 for b in cached if self._refs[b] == 0))
+
+    def admit(self, seq: Sequence, cached: list[int], num_tokens: int) -> None:
+        """Give `seq` (holding no blocks) the `cached` prefix, counted as computed, and room for `num_tokens`."""
+        for block in cached:
+            if self._refs[block] == 0:
+                del self._evictable[block]
+            self._refs[block] += 1
+        seq.block_table.extend(cached)
+        seq.block_keys = [self._key_of[b] for b in cached]
+        seq.num_computed_tokens = len(cached) * self.block_size
+        if not seq.output_ids:
+            seq.num_cached_tokens = seq.num_computed_tokens
+        if self.prefix_caching:
+            self.query_tokens += seq.num_tokens
+            self.hit_tokens += seq.num_computed_tokens
+        self.grow(seq, num_tokens)
+
+    def cache_blocks(self, seq: Sequence) -> None:
+        """Key `seq`'s blocks that have become full of computed, known tokens, so others may reuse them."""
+        known = seq.num_tokens - (1 if seq.output_ids and seq.output_ids[-1] == PENDING else 0)
+        full = min(seq.num_computed_tokens, known) // self.block_size
+        done = len(seq.block_keys)
+        if not self.prefix_caching or full <= done:
+            return
+        tokens = _packed(seq.token_ids()[:full * self.block_size])
+        key = seq.block_keys[-1] if done else None
+        for i in range(done, full):
+            chunk = self._chunk(tokens, i)
+            key = _key(key, chunk)
+            seq.block_keys.append(key)
+            block = seq.block_table[i]
+            if key not in self._block_of:  # an equal block cached before stays the one found
+                self._block_of[key], self._key_of[block], self._tokens_of[block] = block, key, chunk
 
     def give_back(self) -> None:
         """Stop using every block (their memory is about to be given back): only when none is held."""
         if self.num_used:
             raise RuntimeError(f"{self.num_used} KV blocks are still held")
-        self._free.clear()
+        self.reset_prefix_cache()
+        self._empty.clear()
         self._usable = self._reserved
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix and the counts of queries and hits (the blocks held stay held)."""
+        self.query_tokens = self.hit_tokens = 0
+        self._empty.extend(self._evictable)
+        self._evictable.clear()
+        self._block_of.clear()
+        self._key_of.clear()
+        self._tokens_of.clear()
+
+    # -- growth and release ------------------------------------------------------------------------
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """Blocks to add so that `num_tokens` tokens of `seq` have a slot."""
         return max(0, -(-num_tokens // self.block_size) - len(seq.block_table))
+
+    def _have_free(self, needed: int) -> bool:
+        if needed > self.num_free and self._capacity is not None:
+            usable = self._capacity.grant(self._usable, needed - self.num_free)
+            usable = min(usable, self.num_blocks + self._reserved)
+            self._empty.extend(range(self._usable, usable))
+            self._usable = max(self._usable, usable)
+        return needed <= self.num_free
 
     def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
         return self._have_free(self.blocks_needed(seq, num_tokens))
@@ -67,13 +161,48 @@ class BlockManager:
         needed = self.blocks_needed(seq, num_tokens)
         if not self._have_free(needed):
             raise RuntimeError("out of KV blocks (the scheduler should have preempted)")
-        seq.block_table.extend(self._free.popleft() for _ in range(needed))
+        seq.block_table.extend(self._take() for _ in range(needed))
+
+    def _take(self) -> int:
+        if self._empty:
+            block = self._empty.popleft()
+        else:
+            block, _ = self._evictable.popitem(last=False)
+            del self._block_of[self._key_of.pop(block)]
+            del self._tokens_of[block]
+        self._refs[block] = 1
+        return block
 
     def free(self, seq: Sequence) -> None:
-        self._free.extend(seq.block_table)
+        self.cache_blocks(seq)
+        # last block first, so that a sequence's tail is evicted before the prefix others may share
+        for block in reversed(seq.block_table):
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                if block in self._key_of:
+                    self._evictable[block] = None
+                else:
+                    self._empty.append(block)
         seq.block_table = []
+        seq.block_keys = []
         seq.num_computed_tokens = 0
 
     def slot(self, seq: Sequence, position: int) -> int:
         """The flat KV-cache slot of token `position` of `seq`."""
         return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
+
+    def _chunk(self, tokens: bytes, i: int) -> bytes:
+        width = self.block_size * 4
+        return tokens[i * width:(i + 1) * width]
+
+
+def _packed(token_ids: list[int]) -> bytes:
+    return array("i", token_ids).tobytes()
+
+
+def _key(parent: int | None, chunk: bytes) -> int:
+    h = xxhash.xxh3_128()
+    if parent is not None:
+        h.update(parent.to_bytes(16, "little"))
+    h.update(chunk)
+    return h.intdigest()

@@ -14,13 +14,14 @@ class EngineConfig:
     dtype: str = "float32"              # float32, bfloat16 or float16
     max_model_len: int | None = None    # None: the model's own, at most 4096
     max_num_seqs: int = 16
-    max_num_batched_tokens: int = 8192
+    max_num_batched_tokens: int = 2048  # a step's tokens: decodes first, then slices of prompts
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     num_kv_blocks: int | None = None    # a fixed KV budget in blocks (None: profile on cuda, size by memory on cpu)
     cpu_kv_cache_bytes: int = 1 << 30   # KV budget on cpu when num_kv_blocks is None
     enforce_eager: bool = False
     async_scheduling: bool = True       # launch each step before reading the last one's tokens
+    enable_prefix_caching: bool = True  # reuse the KV blocks of a prefix computed before
     cuda_graph_batch_sizes: tuple[int, ...] = field(default=CUDA_GRAPH_BATCH_SIZES)
     seed: int = 0
 

@@ -85,12 +85,12 @@ class _Request:
 class _Step:
     """A launched step whose tokens the host has not read yet."""
 
-    batch: ScheduledBatch
+    seqs: list[Sequence]  # the step's sequences that sample a token (not those part-way through a prompt)
     sampled: SampledBatch
     indices: list[int]  # where each sequence's token of this step goes in its output_ids
 
     def pending(self) -> PendingTokens:
-        return PendingTokens(self.sampled.tokens, {seq: row for row, seq in enumerate(self.batch.seqs)})
+        return PendingTokens(self.sampled.tokens, {seq: row for row, seq in enumerate(self.seqs)})
 
 
 class Engine:
@@ -180,9 +180,9 @@ class Engine:
             if graphs:
                 self._prepare_graphs(runner, graph_restorer)
         self.blocks = BlockManager(kv_blocks, self.config.block_size, reserved=runner.reserved_blocks,
-                                   capacity=memory.kv_capacity() if memory is not None else None)
-        self.scheduler = Scheduler(self.blocks, self.config.max_num_seqs,
-                                   max(self.config.max_num_batched_tokens, self.max_model_len))
+                                   capacity=memory.kv_capacity() if memory is not None else None,
+                                   prefix_caching=self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.blocks, self.config.max_num_seqs, self.config.max_num_batched_tokens)
         self.sampler = Sampler(device, self.config.seed, self.tokenizer.eos_token_ids)
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
@@ -316,8 +316,10 @@ class Engine:
     def stats(self) -> EngineStats:
         if not self.ready:
             return EngineStats(0, 0, 0, 0)
-        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting),
-                           self.blocks.num_used, self.blocks.num_blocks, self._steps, self._steps_run_ahead)
+        blocks = self.blocks
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), blocks.num_used,
+                           blocks.num_blocks, self._steps, self._steps_run_ahead, blocks.query_tokens,
+                           blocks.hit_tokens)
 
     def shutdown(self) -> None:
         """Stop the step loop and give the device memory back (the engine cannot be started again)."""
@@ -403,11 +405,14 @@ class Engine:
                 self._settle(ahead)
             return ahead is not None
         logits = self.runner.execute(batch, self.blocks, ahead.pending() if ahead is not None else None)
-        step = self._launched(batch, self.sampler(logits, batch.seqs))
+        seqs = batch.sampling_seqs
+        step = self._launched(batch, seqs, self.sampler(logits, seqs) if seqs else None)
         self._steps += 1
         if ahead is not None:
             self._steps_run_ahead += 1
             self._settle(ahead)
+        if step is None:  # only slices of prompts: nothing to read
+            return True
         if self.config.async_scheduling:
             self._in_flight = step
         else:
@@ -422,21 +427,22 @@ class Engine:
         grammar: its next mask follows from the token this step chooses."""
         return not any(seq.grammar is not None or index + 1 >= seq.params.max_tokens
                        or seq.num_prompt_tokens + index + 1 >= self.max_model_len
-                       for seq, index in zip(step.batch.seqs, step.indices))
+                       for seq, index in zip(step.seqs, step.indices))
 
-    def _launched(self, batch: ScheduledBatch, sampled: SampledBatch) -> _Step:
-        """Account for a launched step: its tokens are computed, and each sequence has one more output
-        token, PENDING until the step is settled."""
-        indices = []
+    def _launched(self, batch: ScheduledBatch, seqs: list[Sequence], sampled: SampledBatch | None) -> _Step | None:
+        """Account for a launched step: its tokens are computed, and each sequence that sampled has one more
+        output token, PENDING until the step is settled. None when no sequence sampled."""
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
+        indices = []
+        for seq in seqs:
             indices.append(len(seq.output_ids))
             seq.output_ids.append(PENDING)
-        return _Step(batch, sampled, indices)
+        return _Step(seqs, sampled, indices) if seqs else None
 
     def _settle(self, step: _Step) -> None:
         """Read a launched step's tokens and hand them to their requests."""
-        for seq, index, token in zip(step.batch.seqs, step.indices, step.sampled.read()):
+        for seq, index, token in zip(step.seqs, step.indices, step.sampled.read()):
             request = self._requests.get(seq.request_id)
             if request is None or request.seq is not seq:  # finished or aborted after the step was launched
                 continue
@@ -474,7 +480,8 @@ class Engine:
     def _emit(self, request: _Request, token_ids: list[int], logprobs, reason: str | None) -> None:
         seq = request.seq
         out = RequestOutput(seq.request_id, request.text.release(final=reason is not None), token_ids, logprobs,
-                            reason is not None, reason, seq.num_prompt_tokens, seq.num_output_tokens)
+                            reason is not None, reason, seq.num_prompt_tokens, seq.num_output_tokens,
+                            seq.num_cached_tokens)
         _deliver(request, out)
 
     def _finish(self, request_id: str, reason: str) -> None:

@@ -235,27 +235,29 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, blocks: BlockManager,
                 pending: PendingTokens | None = None) -> torch.Tensor:
-        """Logits of the next token of every scheduled sequence, [B, vocab]. A sequence whose last token is
-        PENDING takes it from `pending` on the device."""
+        """Logits of the next token of every scheduled sequence that samples one (`batch.samples`: not those
+        whose slice of a prompt stops short of its end), [sampling sequences, vocab]. A sequence whose last
+        token is PENDING takes it from `pending` on the device."""
         graph_bs = self._graph_size(len(batch.seqs)) if batch.is_decode else None
         if graph_bs is not None:
             return self._forward_graph(graph_bs, batch.seqs, blocks, pending)
         ids, positions, slots, query_lens, seq_lens, tables, feeds = [], [], [], [], [], [], []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+        for seq, n, sample in zip(batch.seqs, batch.num_new_tokens, batch.samples):
             start = seq.num_computed_tokens
             if seq.last_token == PENDING:
                 assert n == 1, "only a decoding sequence runs ahead of its last token"
                 feeds.append((len(ids), pending.rows[seq]))
                 ids.append(0)
             else:
-                ids.extend([seq.last_token] if n == 1 else seq.token_ids()[start:start + n])
+                ids.extend([seq.last_token] if n == 1 and sample else seq.token_ids()[start:start + n])
             positions.extend(range(start, start + n))
             slots.extend(blocks.slot(seq, p) for p in range(start, start + n))
             query_lens.append(n)
             seq_lens.append(start + n)
             tables.append(seq.block_table)
         return self._forward_eager(ids, positions, slots, query_lens, seq_lens, tables,
-                                   lambda ids_on_device: _feed_pending(ids_on_device, feeds, pending))
+                                   lambda ids_on_device: _feed_pending(ids_on_device, feeds, pending),
+                                   batch.samples)
 
     def _graph_size(self, n: int) -> int | None:
         for bs in self.graph_batch_sizes:
@@ -281,7 +283,8 @@ class ModelRunner:
         return self.decode.logits[:len(seqs)]
 
     def _forward_eager(self, ids, positions, slots, query_lens, seq_lens, tables,
-                       feed: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+                       feed: Callable[[torch.Tensor], None] | None = None,
+                       samples: list[bool] | None = None) -> torch.Tensor:
         starts = [0]
         for n in query_lens:
             starts.append(starts[-1] + n)
@@ -303,7 +306,10 @@ class ModelRunner:
         if feed is not None:
             feed(ids_on_device)
         hidden = self.model(ids_on_device, upload(positions, torch.int64), meta, self.kv_caches, self.cos_sin)
-        return self.model.compute_logits(hidden[upload([s - 1 for s in starts[1:]], torch.int64)])
+        last = [end - 1 for i, end in enumerate(starts[1:]) if samples is None or samples[i]]
+        if not last:  # only slices short of their prompts' ends: no logits wanted
+            return hidden[:0]
+        return self.model.compute_logits(hidden[upload(last, torch.int64)])
 
     def _upload(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         # Pageable on purpose: pinning a fresh host tensor per input made the eager 8B decode step 47% slower

@@ -38,6 +38,7 @@ class RequestOutput:
     finish_reason: str | None  # "stop", "length" or "abort" once finished
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0     # prompt tokens whose keys and values came from the prefix cache
 
 
 @dataclass
@@ -48,3 +49,5 @@ class EngineStats:
     kv_blocks_total: int
     steps: int = 0              # steps launched since start
     steps_run_ahead: int = 0    # of which launched before the previous step's tokens were read
+    prefix_cache_queries: int = 0   # tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0      # of which found there

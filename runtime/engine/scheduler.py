@@ -1,10 +1,13 @@
 """Continuous batching: which sequences run in the next step, and with how many tokens each.
 
-Every step, running sequences contribute the tokens they have not computed yet (one, while decoding),
-and waiting sequences join as long as the token and sequence budgets and the free KV blocks allow:
-prefills and decodes share a step. When a running sequence needs a block and none is free, the most
-recently arrived running sequence is preempted: its blocks are freed and it goes back to the front of the
-waiting queue, to be recomputed (prompt and the tokens it already generated) when blocks are free again.
+Every step has a token budget (`max_num_batched_tokens`) and a sequence budget (`max_num_seqs`). Running
+sequences that decode take one token each first; then prompts part-way through their prefill, then waiting
+sequences, take slices of what is left (chunked prefill): a long prompt is computed over several steps, each
+attending to the slices before it, so decodes keep their pace while it is prefilled. A waiting sequence
+starts from the longest cached prefix of its tokens (prefix caching, runtime/engine/block_manager.py).
+When a running sequence needs a block and none is free, the most recently arrived running sequence is
+preempted: its blocks are freed and it goes back to the front of the waiting queue, to be recomputed
+(prompt and the tokens it already generated, reusing whatever of it is still cached) when blocks are free.
 """
 
 from __future__ import annotations
@@ -20,7 +23,14 @@ from runtime.engine.sequence import Sequence, Status
 class ScheduledBatch:
     seqs: list[Sequence]
     num_new_tokens: list[int]
+    # per sequence: whether this step reaches its last token, so that a next token is sampled
+    samples: list[bool] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+
+    def add(self, seq: Sequence, num_tokens: int) -> None:
+        self.seqs.append(seq)
+        self.num_new_tokens.append(num_tokens)
+        self.samples.append(num_tokens == seq.num_uncomputed_tokens)
 
     @property
     def num_tokens(self) -> int:
@@ -28,7 +38,12 @@ class ScheduledBatch:
 
     @property
     def is_decode(self) -> bool:
-        return all(n == 1 for n in self.num_new_tokens)
+        """One token per sequence, each its last (what a decode CUDA graph runs)."""
+        return all(n == 1 for n in self.num_new_tokens) and all(self.samples)
+
+    @property
+    def sampling_seqs(self) -> list[Sequence]:
+        return [seq for seq, sample in zip(self.seqs, self.samples) if sample]
 
 
 class Scheduler:
@@ -47,40 +62,46 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch | None:
         batch = ScheduledBatch([], [])
-        self._schedule_running(batch)
+        budget = self._schedule_running(batch, self.max_num_batched_tokens)
         if not batch.preempted:
-            self._admit_waiting(batch)
+            self._admit_waiting(batch, budget)
         return batch if batch.seqs else None
 
-    def _schedule_running(self, batch: ScheduledBatch) -> None:
-        queue = sorted(self.running, key=lambda s: s.arrival)
-        while queue:
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+        blocks = self.block_manager
+        # decodes first, then prompts part-way through their prefill; oldest first within each
+        queue = sorted(self.running, key=lambda s: (s.num_uncomputed_tokens > 1, s.arrival))
+        while queue and budget > 0:
             seq = queue.pop(0)
-            while not self.block_manager.can_grow(seq, seq.num_tokens):
+            blocks.cache_blocks(seq)
+            n = min(seq.num_uncomputed_tokens, budget)
+            while not blocks.can_grow(seq, seq.num_computed_tokens + n):
                 victim = queue.pop() if queue else seq
                 self._preempt(victim)
                 batch.preempted.append(victim)
                 if victim is seq:
                     break
             else:
-                self.block_manager.grow(seq, seq.num_tokens)
-                batch.seqs.append(seq)
-                batch.num_new_tokens.append(seq.num_uncomputed_tokens)
+                blocks.grow(seq, seq.num_computed_tokens + n)
+                batch.add(seq, n)
+                budget -= n
+        return budget
 
-    def _admit_waiting(self, batch: ScheduledBatch) -> None:
-        budget = self.max_num_batched_tokens - batch.num_tokens
-        while self.waiting and len(batch.seqs) < self.max_num_seqs:
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        blocks = self.block_manager
+        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
             seq = self.waiting[0]
-            needed = seq.num_uncomputed_tokens
-            if needed > budget or not self.block_manager.can_grow(seq, seq.num_tokens):
+            cached = blocks.cached_prefix(seq)
+            computed = len(cached) * blocks.block_size
+            n = min(seq.num_tokens - computed, budget)
+            if not blocks.can_admit(cached, computed + n):
                 break
             self.waiting.popleft()
-            self.block_manager.grow(seq, seq.num_tokens)
+            blocks.admit(seq, cached, computed + n)
             seq.status = Status.RUNNING
             self.running.append(seq)
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(needed)
-            budget -= needed
+            batch.add(seq, n)
+            budget -= n
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

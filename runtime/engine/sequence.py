@@ -36,6 +36,10 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     # tokens whose keys and values are already in the KV cache
     num_computed_tokens: int = 0
+    # prompt tokens found in the prefix cache when the sequence was admitted (runtime/engine/block_manager.py)
+    num_cached_tokens: int = 0
+    # the prefix-cache keys of its first full blocks, each chained to the one before
+    block_keys: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     arrival: int = field(default_factory=lambda: next(_arrival))
     # where the output is in the request's grammar (params.grammar), following the tokens the host has read

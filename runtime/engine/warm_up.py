@@ -55,13 +55,14 @@ def warm_up(engine: "Engine") -> WarmUp:
     if engine.blocks.num_used:
         raise RuntimeError(f"the warm-up left {engine.blocks.num_used} KV blocks in use")
     engine.reset_step_counts()
+    engine.blocks.reset_prefix_cache()  # no request after it may find a throwaway prompt's blocks
     return WarmUp(requests, lengths, time.perf_counter() - started)
 
 
 async def _serve(engine: "Engine", lengths: tuple[int, ...], together_length: int) -> None:
     vocab = engine.model_config.vocab_size
-    for n in lengths:
-        await _drain(engine, _prompt(n, vocab), _throwaway(SAMPLING_PATHS[0]))
+    for n in lengths:  # prompts that share no prefix, so each is computed whole
+        await _drain(engine, _prompt(n, vocab, start=n), _throwaway(SAMPLING_PATHS[0]))
     await asyncio.gather(*(_drain(engine, _prompt(together_length, vocab, start=i), _throwaway(params))
                            for i, params in enumerate(SAMPLING_PATHS)))
 

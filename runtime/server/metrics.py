@@ -148,3 +148,8 @@ class _StateCollector(Collector):
             steps.add_metric(["ahead"], stats.steps_run_ahead)
             steps.add_metric(["settled"], stats.steps - stats.steps_run_ahead)
         yield steps
+        yield CounterMetricFamily("thawllm_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                  value=stats.prefix_cache_queries if stats is not None else 0)
+        yield CounterMetricFamily("thawllm_prefix_cache_hits", "Prompt tokens found in the prefix cache (their "
+                                  "keys and values reused, not computed)",
+                                  value=stats.prefix_cache_hits if stats is not None else 0)
