@@ -40,7 +40,8 @@ PROMPT_LEN = 128
 
 class _Ready:
     def wait(self) -> None:
-        torch.cuda.synchronize()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
 
 
 def copy_from(state: dict[str, torch.Tensor]):

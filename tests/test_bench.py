@@ -139,3 +139,24 @@ def test_a_server_that_cannot_start_is_reported_failed_with_its_error(tmp_path):
     assert modes["cold"]["reason"].startswith("the cold server failed to start: ")  # then the server's error
     assert modes["transformers"]["status"] == "skipped" and "Hugging Face" in modes["transformers"]["reason"]
     assert (tmp_path / "out" / "coldstart.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_serving_bench_runs_in_its_small_cpu_mode_and_writes_every_figure(tmp_path):
+    out = tmp_path / "serving.json"
+    done = subprocess.run(
+        [sys.executable, "scripts/bench_serving.py", "--device", "cpu", "--shapes", "tiny", "--batch", "1", "3",
+         "--max-len", "128", "--system-tokens", "160", "--questions", "2", "--streams", "2", "--long-tokens", "200",
+         "--long-prompts", "1", "--budget", "48", "--max-model-len", "512", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (result,) = json.loads(out.read_text())["results"]
+    assert [t["batch"] for t in result["throughput"]] == [1, 3]
+    assert all(t["engine"]["output_tok_s"] > 0 and t["transformers"]["output_tok_s"] > 0
+               for t in result["throughput"])
+    prefix = result["prefix"]
+    assert prefix["cached"]["cached_tokens"] == [160, 160] and prefix["uncached"]["cached_tokens"] == [0, 0]
+    assert result["mix"]["chunked"]["budget"] == 48 and result["mix"]["whole"]["budget"] == 202
+    assert result["mix"]["chunked"]["gaps"] > 0
+    assert "TTFT cached ms" in done.stdout and "ITL p99 ms" in done.stdout and "progress" not in done.stdout
+    assert "throughput batch 3" in done.stderr  # progress while it runs
+
