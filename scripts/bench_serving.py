@@ -17,6 +17,7 @@ For each model shape (random weights of the real shape, the same in the engine a
 Prints progress as it goes, then a table, and writes one JSON (default: serving-<device>-<shapes>.json).
 
     python scripts/bench_serving.py --shapes qwen2-1.5b llama-3-8b                # the GPU machine
+    python scripts/bench_serving.py --model /tmp/thawllm-models/llama-3-8b        # a model directory
     python scripts/bench_serving.py --device cpu --shapes tiny --batch 1 4 --system-tokens 160 \\
         --questions 3 --streams 3 --long-tokens 300 --long-prompts 2 --budget 48 --max-model-len 1024
 """
@@ -226,17 +227,25 @@ def hbm_bandwidth(args) -> float | None:
     return next((bw for key, bw in HBM_BYTES_PER_S.items() if key in name), None)
 
 
-def bench_shape(name: str, args) -> dict:
+def load_model(name: str, model_dir: Path | None, tmp: Path, device: str, dtype: torch.dtype):
+    """transformers' model: from `model_dir` (a Hugging Face directory), else random weights of the shape
+    `name` (its config and a tokenizer written to `tmp`). Returns (model, directory)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    if model_dir is not None:
+        progress(f"{name}: loading {model_dir} on {device}")
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval(), model_dir
+    write_config_and_tokenizer(tmp, SHAPES[name], dtype=str(dtype).removeprefix("torch."))
+    torch.manual_seed(0)
+    progress(f"{name}: random weights on {device}")
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tmp), dtype=dtype).eval(), tmp
+
+
+def bench_shape(name: str, model_dir: Path | None, args) -> dict:
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = Path(tmp)
-        write_config_and_tokenizer(model_dir, SHAPES[name], dtype=str(dtype).removeprefix("torch."))
-        torch.manual_seed(0)
-        progress(f"{name}: random weights on {args.device}")
-        with torch.device(args.device):
-            hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype).eval()
+        hf, model_dir = load_model(name, model_dir, Path(tmp), args.device, dtype)
         max_seqs = max(max(args.batch), args.streams + 1)
         config = EngineConfig(device=args.device, dtype=str(dtype).removeprefix("torch."),
                               max_model_len=args.max_model_len, max_num_seqs=max_seqs,
@@ -296,7 +305,9 @@ def print_table(results: list[dict]) -> None:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shapes", nargs="+", default=["qwen2-1.5b", "llama-3-8b"], choices=sorted(SHAPES))
+    parser.add_argument("--shapes", nargs="+", default=["qwen2-1.5b", "llama-3-8b"], choices=sorted(SHAPES),
+                        help="random weights of these shapes (scripts/model_shapes.py)")
+    parser.add_argument("--model", type=Path, help="a Hugging Face model directory instead of --shapes")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--batch", nargs="+", type=int, default=[1, 8, 32, 64, 128])
     parser.add_argument("--max-len", type=int, default=1024, help="longest prompt + output of the throughput")
@@ -313,6 +324,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-transformers", action="store_true")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
+    if args.model is not None and not (args.model / "config.json").is_file():
+        parser.exit(2, f"bench_serving: --model {args.model}: no config.json there\n")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.exit(2, "bench_serving: --device cuda but no CUDA GPU is visible (use --device cpu)\n")
     longest = max(args.system_tokens + args.question_tokens, args.long_tokens, args.max_len) + 1
@@ -324,8 +337,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    out = args.out or Path(f"serving-{args.device}-{'-'.join(args.shapes)}.json")
-    results = [bench_shape(shape, args) for shape in args.shapes]
+    models = [(args.model.name, args.model)] if args.model is not None else [(s, None) for s in args.shapes]
+    out = args.out or Path(f"serving-{args.device}-{'-'.join(name for name, _ in models)}.json")
+    results = [bench_shape(name, model_dir, args) for name, model_dir in models]
     print_table(results)
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else None
     out.write_text(json.dumps({"command": sys.argv, "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),

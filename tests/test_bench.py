@@ -142,14 +142,18 @@ def test_a_server_that_cannot_start_is_reported_failed_with_its_error(tmp_path):
 
 
 def test_serving_bench_runs_in_its_small_cpu_mode_and_writes_every_figure(tmp_path):
+    from scripts.model_shapes import make_random_model_dir
+
+    model = make_random_model_dir(tmp_path / "tiny", "tiny")  # as scripts/gpu_suite.sh gives it the real shapes
     out = tmp_path / "serving.json"
     done = subprocess.run(
-        [sys.executable, "scripts/bench_serving.py", "--device", "cpu", "--shapes", "tiny", "--batch", "1", "3",
+        [sys.executable, "scripts/bench_serving.py", "--device", "cpu", "--model", str(model), "--batch", "1", "3",
          "--max-len", "128", "--system-tokens", "160", "--questions", "2", "--streams", "2", "--long-tokens", "200",
          "--long-prompts", "1", "--budget", "48", "--max-model-len", "512", "--out", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     (result,) = json.loads(out.read_text())["results"]
+    assert result["shape"] == "tiny" and result["engine_config"]["device"] == "cpu"
     assert [t["batch"] for t in result["throughput"]] == [1, 3]
     assert all(t["engine"]["output_tok_s"] > 0 and t["transformers"]["output_tok_s"] > 0
                for t in result["throughput"])
