@@ -128,3 +128,26 @@ def mapping_rss(address: int) -> int:
             elif inside and head == "Rss:":
                 return int(line.split()[1]) * 1024
     raise AssertionError("no mapping holds the address")
+
+
+def test_lru_policy_evicts_whole_models(layouts, alone):
+    sizes = needs(layouts)
+    budget = sum(n for _, n in sizes.values()) - min(w for w, _ in sizes.values()) // 2
+    pool = ModelPool(torch.device("cpu"), budget, policy="lru")
+    try:
+        for preset, layout in layouts.items():
+            pool.add(preset, build(layout))
+        for name in ["tiny-llama", "tiny-qwen2", "tiny-qwen3"]:
+            run(pool, name)
+        resident = {n: m.resident_bytes for n, m in pool.stats().models.items()}
+        assert resident["tiny-llama"] == 0  # the least recently used went whole
+        report, outputs = run(pool, "tiny-llama")
+        assert report.bytes_resident == 0 and report.bytes_loaded > 0
+        assert outputs == alone["tiny-llama"]
+    finally:
+        pool.shutdown()
+
+
+def test_an_unknown_policy_is_refused():
+    with pytest.raises(PoolError, match="eviction policy 'mru'"):
+        ModelPool(torch.device("cpu"), 1 << 30, policy="mru")

@@ -112,3 +112,39 @@ def test_an_idle_models_kv_cache_goes_back_before_any_weights(layouts, expected)
         assert serve(pool, "tiny-llama") == expected
     finally:
         pool.shutdown()
+
+
+def test_two_models_serving_at_once_share_the_kv_memory_and_both_finish(layouts, expected):
+    llama, qwen = sizes(layouts)
+    qwen_alone = build(layouts["tiny-qwen2"], **CONFIG)
+    qwen_alone.start()
+    try:
+        qwen_expected = asyncio.run(all_at_once(qwen_alone))
+    finally:
+        qwen_alone.shutdown()
+    # both models' weights and 16 blocks between them: each request of both must wait its turn for blocks
+    budget = llama.total_bytes + qwen.total_bytes + 16 * llama.kv.block_bytes + 2 * SLACK
+    pool = ModelPool(torch.device("cpu"), budget)
+    try:
+        for name, layout in layouts.items():
+            pool.add(name, build(layout, **CONFIG))
+        for name in layouts:
+            pool.activate(name)
+
+        async def batch(name):  # held while its requests run, as the server holds a model
+            pool.hold(name)
+            try:
+                return await all_at_once(pool.engine(name))
+            finally:
+                pool.release(name)
+
+        async def both():
+            return await asyncio.gather(batch("tiny-llama"), batch("tiny-qwen2"))
+
+        got_llama, got_qwen = asyncio.run(both())
+        assert got_llama == expected
+        assert got_qwen == qwen_expected
+        stats = pool.stats()
+        assert stats.used_bytes <= stats.budget_bytes
+    finally:
+        pool.shutdown()
