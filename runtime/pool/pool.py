@@ -14,6 +14,7 @@ import dataclasses
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -173,12 +174,13 @@ class ModelPool:
         resident = m.resident_bytes
         report = SwitchReport(m.name, False, 0, resident, 0)
         first_kv = m.kv.chunk_bytes if not m.kv.mapped_chunks else 0
-        self._make_room(m.total_bytes - resident + first_kv, m, report)
-        t = time.perf_counter()
-        m.kv.map_chunks(1)
-        if missing:
-            m.map_groups(missing)
-        report.map_s = time.perf_counter() - t
+
+        def back() -> None:
+            m.kv.map_chunks(1)
+            if missing:
+                m.map_groups(missing)
+
+        self._make_room(m.total_bytes - resident + first_kv, m, report, back)
         if missing:
             t = time.perf_counter()
             report.bytes_loaded = self._stream(m, missing)
@@ -205,13 +207,17 @@ class ModelPool:
     def _start(self, m: ModelMemory) -> SwitchReport:
         engine = self._engines[m.name]
         report = SwitchReport(m.name, True, 0, 0, 0)
-        self._make_room(m.total_bytes + m.kv.chunk_bytes, m, report)
-        t = time.perf_counter()
-        m.ensure_backing()
-        m.map_groups(list(range(len(m.groups))))
-        report.map_s = time.perf_counter() - t
-        provider = _Provider(self, m)
         kv_blocks = m.kv.size()
+
+        def back() -> None:
+            m.ensure_backing()
+            m.map_groups(list(range(len(m.groups))))
+            if m.kv.backing is None:
+                m.kv.backing = make_backing(kv_blocks * m.kv.block_bytes, m.device)
+            m.kv.map_chunks(1)
+
+        self._make_room(m.total_bytes + m.kv.chunk_bytes, m, report, back)
+        provider = _Provider(self, m)
         restorer = self._graph_restorers[m.name]
         if restorer is None:  # the cold start's order: weights, then the KV cache, then graphs captured
             engine.config = dataclasses.replace(engine.config, num_kv_blocks=kv_blocks)
@@ -262,13 +268,18 @@ class ModelPool:
         self._engines[m.name].blocks.give_back()
         return m.kv.unmap_all()
 
-    def _make_room(self, need: int, m: ModelMemory, report: SwitchReport) -> None:
+    def _make_room(self, need: int, m: ModelMemory, report: SwitchReport, back: Callable[[], None]) -> None:
+        """Free NEED bytes for M if the pool is short, then BACK (map M's memory) in the same hold of the
+        lock: no other model's KV growth can take the room in between."""
         t = time.perf_counter()
         with self._lock:
             short = need - self._free()
             if short > 0:
                 self._evict(short, m, report)
-        report.evict_s = time.perf_counter() - t
+            mapped = time.perf_counter()
+            back()
+        report.evict_s = mapped - t
+        report.map_s = time.perf_counter() - mapped
 
     def _evict(self, short: int, incoming: ModelMemory, report: SwitchReport, strict: bool = True) -> None:
         """Free at least SHORT bytes from models without requests in flight, or raise PoolError (STRICT;
@@ -369,9 +380,7 @@ class _Provider:
         if name == "weights":
             self.provided += nbytes
             return m.weights.tensor[:nbytes]
-        if name == "kv_cache":
-            m.kv.backing = make_backing(nbytes, m.device)
-            m.kv.map_chunks(1)
+        if name == "kv_cache":  # made and its first chunk backed before the start (ModelPool._start)
             self.provided += nbytes
             return m.kv.backing.tensor[:nbytes]
         return None
