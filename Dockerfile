@@ -35,8 +35,9 @@ ENV DEBIAN_FRONTEND=noninteractive \
     PATH=/opt/thawllm/venv/bin:$PATH \
     CACHE_DIR=/tmp/thawllm \
     TRITON_CACHE_DIR=/opt/thawllm/baked/triton
-# gcc: the install compiles the loader's native reader (runtime/weights/native_reader.c), and Triton compiles
-# its launcher while faas-build bakes the kernels
+# gcc: the install compiles the loader's native reader (runtime/weights/native_reader.c) and the CPU's packed
+# projections (runtime/engine/cpu/packed_gemv.c), and Triton compiles its launcher while faas-build bakes the
+# kernels
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 python3-venv ca-certificates gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*

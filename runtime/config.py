@@ -123,6 +123,12 @@ class Settings:
     dtype: str = _setting(
         "DTYPE", _choice("auto", "float32", "bfloat16", "float16"), "auto",
         "weights and activations dtype; auto is bfloat16 on cuda, float32 on cpu")
+    cpu_threads: int | None = _setting(
+        "CPU_THREADS", _optional_positive_int, None,
+        "torch threads on cpu (default: the CPUs the cgroup's CPU quota and affinity allow)")
+    cpu_packed_weights: bool = _setting(
+        "CPU_PACKED_WEIGHTS", _bool, True,
+        "on cpu, decode steps read weights that are exactly 4/8-bit groups (GGUF Q4_1, Q8_0) packed; lossless")
     snapshot_dir: Path | None = _setting(
         "SNAPSHOT_DIR", _optional_path, None, "where faas-build wrote the snapshots (unset: none)")
     cache_dir: Path = _setting(

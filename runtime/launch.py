@@ -31,7 +31,8 @@ def engine_config(settings: Settings, device: str | None = None) -> EngineConfig
         max_num_seqs=settings.max_num_seqs or (256 if device == "cuda" else 16),
         max_num_batched_tokens=settings.max_num_batched_tokens or (2048 if device == "cuda" else 512),
         gpu_memory_utilization=settings.gpu_memory_utilization, enforce_eager=settings.enforce_eager,
-        async_scheduling=settings.async_scheduling, enable_prefix_caching=settings.enable_prefix_caching)
+        async_scheduling=settings.async_scheduling, enable_prefix_caching=settings.enable_prefix_caching,
+        cpu_threads=settings.cpu_threads, cpu_packed_weights=settings.cpu_packed_weights)
 
 
 def build_engine(model_dir: Path, config: EngineConfig, timeline: Timeline | None = None,

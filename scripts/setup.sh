@@ -13,14 +13,14 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 pip() { "$VENV/bin/python" -m pip "$@"; }
 
-# The loader's native reader (runtime/weights/native_reader.c) is compiled by the install: a C compiler first.
+# The loader's native reader and the CPU's packed projections (C files) are compiled by the install: a C compiler first.
 if ! command -v cc >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     echo "setup: installing a C compiler (apt: gcc)"
     apt-get update -qq && apt-get install -y -qq --no-install-recommends gcc libc6-dev >/dev/null
 fi
 
 stamp="$VENV/.thawllm-setup"
-want="$(cat pyproject.toml scripts/setup.sh runtime/weights/native_reader.c | sha256sum | cut -c1-16)"
+want="$(cat pyproject.toml scripts/setup.sh runtime/weights/native_reader.c runtime/engine/cpu/packed_gemv.c | sha256sum | cut -c1-16)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     # The local CPU build of torch first, so nothing pulls a multi-GB CUDA build from the index.
     if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then

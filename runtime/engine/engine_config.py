@@ -24,6 +24,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # reuse the KV blocks of a prefix computed before
     cuda_graph_batch_sizes: tuple[int, ...] = field(default=CUDA_GRAPH_BATCH_SIZES)
     seed: int = 0
+    cpu_threads: int | None = None      # torch's threads on cpu (None: the CPUs the cgroup's quota allows)
+    cpu_packed_weights: bool = True     # on cpu, weights that are exactly 4/8-bit groups also kept packed
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -22,9 +22,11 @@ from runtime import timeline as stages
 from runtime.config import ConfigError
 from runtime.engine.allocator import MemoryProvider
 from runtime.engine.block_manager import BlockManager
+from runtime.engine.cpu.threads import cpu_threads
 from runtime.engine.detokenizer import OutputText
 from runtime.engine.engine_config import EngineConfig
 from runtime.engine.grammar import GrammarCompiler
+from runtime.engine.layers.linear import pack_linears
 from runtime.engine.model_config import ModelConfig
 from runtime.engine.model_runner import KVProfile, ModelRunner, PendingTokens
 from runtime.engine.models.llama import build_on_meta
@@ -159,6 +161,8 @@ class Engine:
             if device.type == "cuda":
                 torch.cuda.init()
                 torch.empty(1, device=device)
+            else:
+                torch.set_num_threads(self.config.cpu_threads or cpu_threads())
         runner = ModelRunner(self.model, self.model_config, self.config, self.max_model_len, memory)
         self.runner = runner
         buffer = runner.allocate_weights(self.plan, releasable_memory)
@@ -170,11 +174,13 @@ class Engine:
             kv_blocks = self._allocate_kv(runner, kv_blocks, releasable_memory)
         if graphs_first:
             self._prepare_graphs(runner, graph_restorer)
-        with t.stage(stages.WEIGHTS, bytes=self.plan.total_bytes):  # ended even when the load fails
+        with t.stage(stages.WEIGHTS, bytes=self.plan.total_bytes) as weights_stage:  # ended even if it fails
             load = self._load_weights(self.plan, buffer)
             if materialized and graphs and not graphs_first:  # no weight values needed: beside the stream
                 self._prepare_graphs(runner, graph_restorer)
             load.wait()
+            if device.type == "cpu" and self.config.cpu_packed_weights:
+                weights_stage.detail.update(pack_linears(self.model))
         if not materialized:
             kv_blocks = self._allocate_kv(runner, kv_blocks, releasable_memory)
             if graphs:

@@ -4,8 +4,9 @@ causally to its sequence's cached tokens.
 One code path serves prefill, decode, mixed batches and recomputation after preemption: tokens of a step are
 flattened into one batch, and each sequence's slice of it is described by `query_start_loc` (where its new
 tokens start), `seq_lens` (its total length after this step) and its row of `block_tables`.
-On cuda the attention is a Triton kernel (runtime/engine/kernels/paged_attention.py); on cpu it is this
-module's plain PyTorch reference, which the kernel is tested against.
+On cuda the attention is a Triton kernel (runtime/engine/kernels/paged_attention.py), on cpu torch's fused
+attention without masks (runtime/engine/cpu/attention.py); both are tested against this module's plain
+PyTorch reference.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime.engine.attention_metadata import AttentionMetadata
+from runtime.engine.cpu.attention import paged_attention_cpu
 from runtime.engine.layers.dispatch import use_kernels
 
 
@@ -37,7 +39,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         from runtime.engine.kernels.paged_attention import paged_attention as kernel
 
         return kernel(q, k_cache, v_cache, meta, scale)
-    return paged_attention_reference(q, k_cache, v_cache, meta, scale)
+    return paged_attention_cpu(q, k_cache, v_cache, meta, scale)
 
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

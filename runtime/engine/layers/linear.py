@@ -2,6 +2,8 @@
 
 torch.nn's versions initialise their weights even on the meta device, and the first such call imports
 torch's decomposition machinery: seconds on the start path for values that the weight load overwrites.
+On the CPU a projection whose weight is exactly 4- or 8-bit groups also keeps it packed, and steps of a few
+tokens read that instead (runtime/engine/cpu/packed.py).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime.engine.cpu.packed import MAX_TOKENS, PackedWeight, packed_kernels
 from runtime.engine.layers.dispatch import use_kernels
 
 
@@ -18,9 +21,28 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.packed: PackedWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None and x.shape[0] <= MAX_TOKENS:
+            return packed_kernels().gemv(x, self.packed, self.bias)
         return linear(x, self.weight, self.bias)
+
+
+def pack_linears(model: nn.Module) -> dict[str, int]:
+    """Pack the weight of every Linear of `model` (on the CPU, float32) that is exactly 4- or 8-bit groups; a
+    weight shared by two layers (tied embeddings) is packed once. Returns the packed layers and bytes."""
+    kernels = packed_kernels()
+    done: dict[int, PackedWeight | None] = {}
+    for module in model.modules():
+        if isinstance(module, Linear) and kernels is not None:
+            key = module.weight.data_ptr()
+            if key not in done:
+                done[key] = kernels.pack(module.weight.detach())
+            module.packed = done[key]
+    packed = [w for w in done.values() if w is not None]
+    return {"packed_layers": len(packed), "packed_bytes": sum(w.nbytes for w in packed),
+            "float_layers": len(done) - len(packed)}
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -104,7 +104,7 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        return linear(hidden, self.lm_head.weight, out=out)
+        return self.lm_head(hidden) if out is None else linear(hidden, self.lm_head.weight, out=out)
 
 
 def build_on_meta(config: ModelConfig) -> LlamaForCausalLM:

@@ -1,0 +1,58 @@
+"""Paged attention on the CPU, without masks: torch's fused attention kernels over each sequence's gathered keys.
+
+Per sequence, the keys and values of its blocks are gathered (one copy of its KV, [L, kv_heads, head_dim]),
+and its queries, the last `num_q` of its `seq_len` positions, attend to them:
+- a whole prompt (no cached context) is plain causal attention (`is_causal`, the flash kernel);
+- one query (decode) sees every key, so it needs no mask at all;
+- a slice of a prompt after cached context sees all of the context and its own keys causally: the two parts
+  are attended separately and merged by their log-sum-exps, as flash attention merges its key blocks.
+Grouped-query heads are not repeated: the kernels read each key head for its group of query heads.
+The plain reference (runtime/engine/layers/attention.py, a boolean mask per sequence) is what this is tested
+against; the mask cost more than the attention itself on long prompts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from runtime.engine.attention_metadata import AttentionMetadata
+
+
+def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [T, heads, head_dim] -> [T, heads, head_dim]."""
+    starts = meta.query_start_loc_cpu or meta.query_start_loc.tolist()
+    lens = meta.seq_lens_cpu or meta.seq_lens.tolist()
+    block_size = k_cache.shape[1]
+    out = torch.empty_like(q)
+    for i, seq_len in enumerate(lens):
+        blocks = meta.block_tables[i, : -(-seq_len // block_size)]
+        keys = k_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1).to(q.dtype)     # [KVH, L, D]
+        values = v_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1).to(q.dtype)
+        queries = q[starts[i]:starts[i + 1]].transpose(0, 1)                           # [H, Lq, D]
+        out[starts[i]:starts[i + 1]] = _attend(queries, keys, values, scale).transpose(0, 1)
+    return out
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q: [H, Lq, D], the last Lq of the L positions of k, v: [KVH, L, D] -> [H, Lq, D]."""
+    num_q, context = q.shape[1], k.shape[1] - q.shape[1]
+    if context == 0 or num_q == 1:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=context == 0 and num_q > 1, scale=scale,
+                                              enable_gqa=True)
+    before, before_lse = _with_lse(q, k[:, :context], v[:, :context], scale, causal=False)
+    own, own_lse = _with_lse(q, k[:, context:], v[:, context:], scale, causal=True)
+    lse = torch.logaddexp(before_lse, own_lse)
+    merged = before.float() * (before_lse - lse).exp()[..., None] + own.float() * (own_lse - lse).exp()[..., None]
+    return merged.to(q.dtype)
+
+
+def _with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+              causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention and each query's log-sum-exp of its scores ([H, Lq, D], [H, Lq] float32)."""
+    group = q.shape[0] // k.shape[0]
+    k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q[None], k[None], v[None], 0.0, causal, scale=scale)[:2]
+    return out[0], lse[0].float()
