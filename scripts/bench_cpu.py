@@ -13,13 +13,14 @@ Each figure is the median of `--repeat` runs; every run is kept in the JSON. Pri
 docs/benchmarks/cpu-smollm2-135m.json (or --out).
 
     python scripts/bench_cpu.py                       # thawllm (DTYPE=auto), transformers, llama.cpp
-    python scripts/bench_cpu.py --dtype float32 bfloat16 --repeat 5
+    python scripts/bench_cpu.py --unpacked --dtype float32 bfloat16 --repeat 5
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import platform
@@ -32,7 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from runtime.engine import EngineConfig, SamplingParams  # noqa: E402
+from runtime.engine import SamplingParams  # noqa: E402
 from runtime.weights.embedded import SERVED_NAME, embedded_gguf_path, embedded_model_dir  # noqa: E402
 
 PROMPT_LENS = (1500, 3000)
@@ -52,18 +53,17 @@ def prompt(n: int, seed: int) -> list[int]:
 
 
 class Thawllm:
-    def __init__(self, model_dir: Path, dtype: str) -> None:
-        from runtime.launch import build_engine, engine_config
+    def __init__(self, model_dir: Path, dtype: str, packed: bool = True) -> None:
         from runtime.config import Settings
+        from runtime.launch import build_engine, engine_config
 
-        self.name = f"thawllm {dtype}"
         settings = Settings.from_env()
         config = engine_config(settings, device="cpu")
-        if dtype != "auto":
-            config = EngineConfig(**{**config.as_dict(), "dtype": dtype})
+        config = dataclasses.replace(config, dtype=config.dtype if dtype == "auto" else dtype,
+                                     cpu_packed_weights=packed)
+        self.name = f"thawllm {config.dtype}" + ("" if packed else " (packed weights off)")
         self.engine = build_engine(model_dir, config, settings=settings)
         self.engine.start()
-        self.dtype = self.engine.config.dtype
 
     def _stamps(self, prompts: list[list[int]], n: int) -> list[list[float]]:
         params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
@@ -149,17 +149,17 @@ class LlamaCpp:
         self.llm.close()
 
 
-def measure(runners, repeat: int, steps: int) -> dict:
+def measure(runners, repeat: int, steps: int, prompt_lens: list[int], batches: list[int]) -> dict:
     """{runner: {figure: [one value per repeat]}}, every figure of a repeat taken by each runner in turn."""
     figures = {r.name: {} for r in runners}
     for rep in range(repeat):
-        for n in PROMPT_LENS:
+        for n in prompt_lens:
             ids = prompt(n, seed=rep * 10 + n)
             for r in runners:
                 seconds = r.prefill(ids)
                 figures[r.name].setdefault(f"prefill_{n}_s", []).append(seconds)
                 say(f"[{rep + 1}/{repeat}] {r.name}: {n}-token prompt + {GENERATED} tokens {seconds:.2f} s")
-        for batch in DECODE_BATCHES:
+        for batch in batches:
             prompts = [prompt(DECODE_PROMPT, seed=rep * 100 + i) for i in range(batch)]
             for r in runners:
                 rate = r.decode(prompts, steps)
@@ -170,9 +170,9 @@ def measure(runners, repeat: int, steps: int) -> dict:
     return figures
 
 
-def table(figures: dict) -> str:
-    columns = [f"prefill_{n}_s" for n in PROMPT_LENS] + [f"decode_b{b}_tok_s" for b in DECODE_BATCHES]
-    heads = [f"{n} tok + {GENERATED} (s)" for n in PROMPT_LENS] + [f"decode b{b} (tok/s)" for b in DECODE_BATCHES]
+def table(figures: dict, prompt_lens: list[int], batches: list[int]) -> str:
+    columns = [f"prefill_{n}_s" for n in prompt_lens] + [f"decode_b{b}_tok_s" for b in batches]
+    heads = [f"{n} tok + {GENERATED} (s)" for n in prompt_lens] + [f"decode b{b} (tok/s)" for b in batches]
     lines = ["| runner | " + " | ".join(heads) + " |", "|---" * (len(heads) + 1) + "|"]
     for name, values in figures.items():
         cells = [f"{statistics.median(values[c]):.2f}" if c in values else "-" for c in columns]
@@ -193,8 +193,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", nargs="+", default=["auto"], help="thawllm's DTYPE(s): auto, float32, bfloat16")
     p.add_argument("--hf-dtype", default="float32", help="transformers' dtype")
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--prompts", type=int, nargs="*", default=list(PROMPT_LENS), help="prefill prompt lengths")
+    p.add_argument("--batches", type=int, nargs="*", default=list(DECODE_BATCHES), help="decode batch sizes")
     p.add_argument("--steps", type=int, default=64, help="decode tokens per decode measurement")
     p.add_argument("--no-transformers", action="store_true")
+    p.add_argument("--unpacked", action="store_true",
+                   help="also thawllm with CPU_PACKED_WEIGHTS off (float32 weights in decode steps too)")
     p.add_argument("--out", type=Path, default=OUT)
     args = p.parse_args(argv)
 
@@ -205,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     for dtype in args.dtype:
         say(f"building thawllm ({dtype}) on {model_dir}")
         runners.append(Thawllm(model_dir, dtype))
+    if args.unpacked:
+        runners.append(Thawllm(model_dir, "float32", packed=False))
     if not args.no_transformers:
         say(f"loading transformers ({args.hf_dtype})")
         runners.append(Transformers(model_dir, args.hf_dtype))
@@ -212,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         runners.append(LlamaCpp(embedded_gguf_path(), torch.get_num_threads()))
     except ImportError:
         say("llama.cpp skipped: llama_cpp is not importable (pip install llama-cpp-python builds it)")
-    figures = measure(runners, args.repeat, args.steps)
+    figures = measure(runners, args.repeat, args.steps, args.prompts, args.batches)
     for r in runners:
         r.close()
     result = {"model": SERVED_NAME, "gguf": embedded_gguf_path().name, "machine": machine(),
@@ -223,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
               "runs": figures}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(table(figures))
+    print(table(figures, args.prompts, args.batches))
     say(f"wrote {args.out}")
     return 0
 
