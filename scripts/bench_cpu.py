@@ -64,6 +64,7 @@ class Thawllm:
         self.name = f"thawllm {config.dtype}" + ("" if packed else " (packed weights off)")
         self.engine = build_engine(model_dir, config, settings=settings)
         self.engine.start()
+        self.start = self.engine.timeline.as_json()  # the weights stage says what was packed, and its time
 
     def _stamps(self, prompts: list[list[int]], n: int) -> list[list[float]]:
         params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
@@ -219,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         say("llama.cpp skipped: llama_cpp is not importable (pip install llama-cpp-python builds it)")
     figures = measure(runners, args.repeat, args.steps, args.prompts, args.batches)
+    starts = {r.name: r.start for r in runners if isinstance(r, Thawllm)}
     for r in runners:
         r.close()
     result = {"model": SERVED_NAME, "gguf": embedded_gguf_path().name, "machine": machine(),
@@ -226,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
               "repeat": args.repeat, "generated_tokens": GENERATED, "decode_prompt_tokens": DECODE_PROMPT,
               "decode_steps": args.steps,
               "median": {name: {k: statistics.median(v) for k, v in values.items()} for name, values in figures.items()},
-              "runs": figures}
+              "runs": figures, "thawllm_start": starts}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(table(figures, args.prompts, args.batches))
