@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from runtime.timeline import STAGE_ORDER
 
-#: the server's restore paths, fastest first, and the outside baseline
+#: the server's restore paths (in the fixed order auto uses without a measurement), and the outside baseline
 SERVER_MODES = ("gpu", "process", "materialized", "cold")
 BASELINE_MODE = "transformers"
 ALL_MODES = SERVER_MODES + (BASELINE_MODE,)
