@@ -13,6 +13,8 @@
 #   bake:SHAPE          faas-build: its layout and every snapshot this machine can bake (timed in turns)
 #   coldstart:SHAPE     faas-bench coldstart over every restore path and transformers, page cache warm
 #   coldstart-dropped:SHAPE   the same with the page cache dropped before each start
+#   auto:SHAPE          faas-bootstrap with RESTORE=auto on the baked snapshots: the path it took and the
+#                       order faas-build measured (its /health), into $RESULTS/auto-h100-SHAPE.json
 #   serving:SHAPE       scripts/bench_serving.py (throughput, prefix caching, chunked prefill)
 #   switch              faas-bench switch (several models in one instance)
 #
@@ -87,6 +89,34 @@ coldstart() {
         --out "$RESULTS/$name"
 }
 
+auto_start() {
+    local shape=$1 dir
+    dir=$(model_dir "$shape")
+    [ -d "$dir-baked" ] || bake "$shape"
+    say "faas-bootstrap RESTORE=auto $shape"
+    "$PY" - "$dir-baked" "$RESULTS/auto-h100-$shape.json" <<'EOF'
+import asyncio, json, sys
+from pathlib import Path
+import httpx
+from runtime.bench.instance import Instance
+
+async def main(baked: Path, out: Path) -> None:
+    settings = {"MODEL": str(baked / "layout"), "SNAPSHOT_DIR": str(baked / "snapshots"), "DEVICE": "cuda"}
+    instance = Instance.spawn("auto", settings, out.with_suffix(".log"))
+    try:
+        async with httpx.AsyncClient() as client:
+            health = await instance.wait_ready(client, 900)
+    finally:
+        await instance.stop()
+    report = {"restore_path": health["restore_path"], "restore_order": health.get("restore_order"),
+              "skipped": health["skipped"], "spawn_to_ready_s": round(instance.ready_at - instance.spawned_at, 4)}
+    out.write_text(json.dumps(report, indent=1))
+    print(json.dumps(report, indent=1))
+
+asyncio.run(main(Path(sys.argv[1]), Path(sys.argv[2])))
+EOF
+}
+
 serving() {
     local dir
     dir=$(model_dir "$1")
@@ -108,6 +138,7 @@ for step in "$@"; do
         bake:*) bake "${step#bake:}" ;;
         coldstart:*) coldstart "${step#coldstart:}" warm ;;
         coldstart-dropped:*) coldstart "${step#coldstart-dropped:}" dropped ;;
+        auto:*) auto_start "${step#auto:}" ;;
         serving:*) serving "${step#serving:}" ;;
         switch) switch ;;
         *) echo "gpu_suite: unknown step $step" >&2; exit 2 ;;
