@@ -3,7 +3,9 @@
 503 while the engine starts (or after SIGTERM, or if it failed), 200 once it serves. The body says which
 restore path was taken, why the faster ones were skipped, the order they were tried in (measured by
 faas-build: which was fastest, by how much), how long each cold-start stage took (`timeline`)
-and when each ran (`stages`: seconds since spawn; stages overlap where work runs in parallel).
+and when each ran (`stages`: seconds since spawn; stages overlap where work runs in parallel). With several
+models, `models` lists them and `pools` each device's pool: its free bytes and, per model, the bytes resident
+and retained there, loads, switches and the last switch's seconds.
 """
 
 from __future__ import annotations
@@ -24,11 +26,24 @@ def health_report(state: AppState) -> dict:
         report["restore_order"] = state.restore_order
     if state.error:
         report["error"] = state.error
-    if state.engine is not None:
-        stats = state.engine.stats()
+    engines = state.models if state.models is not None else state.engine
+    if engines is not None:
+        stats = engines.stats()
         report["engine"] = {"running": stats.running, "waiting": stats.waiting,
                             "kv_blocks_used": stats.kv_blocks_used, "kv_blocks_total": stats.kv_blocks_total}
+    if state.model_names:
+        report["models"] = state.model_names
+    if state.models is not None:
+        report["placement"] = state.models.policy
+        report["pools"] = {device: _pool_report(slot.pool.stats()) for device, slot in state.models.slots.items()}
     return report
+
+
+def _pool_report(stats) -> dict:
+    return {"free_bytes": stats.free_bytes, "budget_bytes": stats.budget_bytes,
+            "models": {name: {"resident_bytes": m.resident_bytes, "retained_bytes": m.retained_bytes,
+                              "total_bytes": m.total_bytes, "loads": m.loads, "switches": m.switches,
+                              "last_switch_s": m.last_switch_s} for name, m in stats.models.items()}}
 
 
 def routes(state: AppState) -> list[Route]:

@@ -59,8 +59,8 @@ def json_response(content: Any, status: int = 200) -> Response:
 
 
 async def _generate(request: Request, state: AppState, endpoint: _Endpoint) -> Response:
-    engine = state.require_engine()
     body = parse_json(await request.body())
+    engine = state.require_engine(body.get("model"))
     try:
         # Watched from here on: a client that leaves while its prompt is rendered, queued or prefilled
         # gives its queue place and KV blocks back at once, not once its first token is out.
@@ -163,20 +163,21 @@ def routes(state: AppState) -> list[Route]:
     async def completions(request: Request) -> Response:
         return await _generate(request, state, COMPLETIONS)
 
-    def card() -> dict[str, Any]:
-        engine = state.require_engine()
-        return {"id": state.model_name, "object": "model", "created": int(state.ready_at or 0),
+    def card(name: str) -> dict[str, Any]:
+        engine = state.require_engine(name)
+        return {"id": name, "object": "model", "created": int(state.ready_at or 0),
                 "owned_by": "thawllm", "max_model_len": engine.max_model_len}
 
     async def list_models(request: Request) -> Response:
-        return json_response({"object": "list", "data": [card()]})
+        state.require_engine(state.served_names[0] if state.served_names else None)  # 503 while starting
+        return json_response({"object": "list", "data": [card(name) for name in state.served_names]})
 
     async def get_model(request: Request) -> Response:
-        model = card()
-        if request.path_params["model"] != model["id"]:
-            raise APIError(404, f"The model `{request.path_params['model']}` does not exist.", param="model",
-                           code="model_not_found")
-        return json_response(model)
+        name = request.path_params["model"]
+        state.require_engine(state.served_names[0] if state.served_names else None)  # 503 while starting
+        if name not in state.served_names:
+            raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+        return json_response(card(name))
 
     return [Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),

@@ -23,6 +23,7 @@ from runtime.timeline import Timeline
 
 if TYPE_CHECKING:
     from runtime.engine import Engine
+    from runtime.server.models import StartedModels
     from runtime.server.state import StartedEngine
 
 log = get_logger("bootstrap")
@@ -36,11 +37,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     lambda_api = os.environ.get("AWS_LAMBDA_RUNTIME_API")
     try:
         settings = Settings.from_args(argv)
-        check_model_ref(settings.model)
+        for model in settings.models:
+            check_model_ref(model.ref)
     except ConfigError as exc:
         return _config_error(exc, lambda_api)
     setup_logging(settings.log_level)
-    if settings.restore in ("auto", "gpu", "process"):
+    several = len(settings.models) > 1
+    if settings.restore in ("auto", "gpu", "process") and not several:
         # A CRIU snapshot that fits is restored as a child, before listening: it listens and serves, and
         # this process supervises it. Inside the restored process this returns None and main goes on.
         from snapshots.restore import take_over
@@ -62,10 +65,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     from runtime.server.app import build_app
     from runtime.server.state import AppState
 
-    state = AppState(Timeline(), model_name=served_model_name(settings))
-    app = build_app(state, [health.handler, handler], settings.api_key, int(settings.max_request_mb * 2**20))
+    if several:
+        state = AppState(Timeline(), model_names=[m.name for m in settings.models])
+    else:
+        state = AppState(Timeline(), model_name=served_model_name(settings))
+    app = build_app(state, [health.handler, handler], settings.api_key,
+                    int(settings.max_request_mb * 2**20))
 
-    def start() -> StartedEngine:
+    def start() -> StartedEngine | StartedModels:
+        if several:
+            from runtime.multi_model import start_models
+
+            return start_models(settings, state.timeline)
         return start_engine(settings, state.timeline)
 
     if lambda_api:
@@ -162,8 +173,8 @@ def _config_error(exc: ConfigError, lambda_api: str | None) -> int:
 
 
 def check_model_ref(model: str | None) -> None:
-    """Fail before listening on a MODEL that cannot be right; what can only be known by loading (a
-    corrupt or unsupported model) fails in the start path."""
+    """Fail before listening on a MODEL (or one model of a MODEL list) that cannot be right; what can only
+    be known by loading (a corrupt or unsupported model) fails in the start path."""
     if model is None:
         from runtime.weights.embedded import EmbeddedModelMissing, embedded_gguf_path
 

@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -103,6 +104,51 @@ def _port(text: str) -> int:
     return value
 
 
+@dataclass(frozen=True)
+class ModelRef:
+    """One model of MODEL: the name clients call it by (None: derived from the reference, as for a lone
+    model) and where it comes from (None: the embedded model)."""
+
+    name: str | None
+    ref: str | None
+
+
+#: a model name in a MODEL list: what a client puts in a request's `model` and a label of /metrics
+_MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+#: the reference of the embedded model in a MODEL list (a lone model gets it by leaving MODEL unset)
+EMBEDDED_REF = "embedded"
+
+
+def model_refs(text: str | None) -> tuple[ModelRef, ...]:
+    """MODEL -> its models. A lone reference is one unnamed model; `name=reference[,name=reference...]`
+    names each (a lone model too). Raises ValueError (a "must" sentence) for a malformed list."""
+    if not text:
+        return (ModelRef(None, None),)
+    head = text.split(",", 1)[0].partition("=")[0]
+    if "," not in text and not ("=" in text and _MODEL_NAME.fullmatch(head)):
+        return (ModelRef(None, text),)
+    models: dict[str, ModelRef] = {}
+    for i, entry in enumerate(text.split(","), 1):
+        name, sep, ref = (part.strip() for part in entry.partition("="))
+        if not entry.strip():
+            raise ValueError(f"entry {i} is empty: MODEL must be name=reference pairs separated by commas")
+        if not sep:
+            raise ValueError(f"entry {entry.strip()!r} must be name=reference")
+        if not _MODEL_NAME.fullmatch(name):
+            raise ValueError(f"model name {name!r} must be 1-64 letters, digits, '.', '_' or '-' (not first)")
+        if not ref:
+            raise ValueError(f"model {name!r} must have a reference after '=' ({EMBEDDED_REF} for the embedded one)")
+        if name in models:
+            raise ValueError(f"model name {name!r} must appear once, not twice")
+        models[name] = ModelRef(name, None if ref == EMBEDDED_REF else ref)
+    return tuple(models.values())
+
+
+def _model_list(text: str) -> str | None:
+    model_refs(text)  # checked here, parsed where used
+    return text or None
+
+
 def _setting(env: str, parse: Callable[[str], Any], default: Any, help: str) -> Any:
     return field(default=default, metadata={"env": env, "parse": parse, "help": help})
 
@@ -115,8 +161,9 @@ def _default_cache_dir() -> Path:
 @dataclass(frozen=True)
 class Settings:
     model: str | None = _setting(
-        "MODEL", _optional_str, None,
-        "model directory, GGUF file, faas-build layout or s3:// prefix; unset serves the embedded SmolLM2")
+        "MODEL", _model_list, None,
+        "model directory, GGUF file, faas-build layout or s3:// prefix; unset serves the embedded SmolLM2; "
+        "several models: name=reference pairs separated by commas (docs/multi-model.md)")
     port: int = _setting("PORT", _port, 8080, "TCP port to listen on")
     host: str = _setting("HOST", str, "0.0.0.0", "address to listen on")
     device: str = _setting("DEVICE", _choice("auto", "cpu", "cuda"), "auto", "auto, cpu or cuda")
@@ -197,6 +244,13 @@ class Settings:
         "MAX_REQUEST_MB", _positive_float, 8.0, "largest request body accepted (MiB); larger ones get a 413")
     shutdown_grace_s: float = _setting(
         "SHUTDOWN_GRACE_S", _non_negative_float, 30.0, "on SIGTERM, how long in-flight requests may finish")
+    placement: str = _setting(
+        "PLACEMENT", _choice("affinity", "round-robin", "fixed"), "affinity",
+        "several models on several devices: affinity (the device where a request starts soonest: the bytes of "
+        "its model missing there and the device's queue), round-robin, or fixed (each model on one device)")
+    pool_cpu_devices: int = _setting(
+        "POOL_CPU_DEVICES", _positive_int, 1,
+        "several models on cpu: host memory pools standing for that many GPUs (tests and benchmarks of PLACEMENT)")
     log_level: str = _setting(
         "LOG_LEVEL", _choice("debug", "info", "warning", "error"), "info", "debug, info, warning or error")
 
@@ -212,7 +266,7 @@ class Settings:
             env = f.metadata["env"]
             if env in environ:
                 values[f.name] = _parse(f, environ[env], env)
-        return cls(**values)
+        return cls(**values).checked()
 
     @classmethod
     def from_args(cls, argv: Sequence[str] | None, environ: Mapping[str, str] | None = None,
@@ -231,7 +285,7 @@ class Settings:
             text = getattr(namespace, f.name)
             if text is not None:
                 overrides[f.name] = _parse(f, text, "--" + f.name.replace("_", "-"))
-        return dataclasses.replace(settings, **overrides)
+        return dataclasses.replace(settings, **overrides).checked()
 
     @classmethod
     def argument_parser(cls, prog: str) -> argparse.ArgumentParser:
@@ -243,6 +297,25 @@ class Settings:
 
     def replace(self, **changes: Any) -> "Settings":
         return dataclasses.replace(self, **changes)
+
+    @property
+    def models(self) -> tuple[ModelRef, ...]:
+        """The models this instance serves: one, or several (a MODEL list)."""
+        return model_refs(self.model)
+
+    def for_model(self, model: ModelRef) -> "Settings":
+        """The settings one model of a MODEL list starts with: as if it were served alone."""
+        return self.replace(model=model.ref, served_model_name=model.name)
+
+    def checked(self) -> "Settings":
+        """Checks across settings; a lone named model (MODEL=name=reference) becomes MODEL=reference with
+        that name served, so that it takes exactly the path of any lone model."""
+        models = self.models
+        if any(m.name for m in models) and self.served_model_name:
+            raise ConfigError("SERVED_MODEL_NAME must be unset when MODEL names its models (name=reference)")
+        if len(models) == 1 and models[0].name:
+            return self.for_model(models[0])
+        return self
 
 
 def _parse(f: dataclasses.Field, text: str, source: str) -> Any:

@@ -27,10 +27,11 @@ CUDA_GRAPHS = "cuda_graphs"
 READY = "ready"
 GRAPHS_AFTER_READY = "graphs_after_ready"  # materialised graphs of larger batch sizes, built while serving
 FIRST_TOKEN = "first_token"
+MODEL_SWITCH = "model_switch"  # several models: the latest switch of a device to another model (runtime/pool)
 
 #: the order stages are printed and drawn in
 STAGE_ORDER = (RUNTIME_INIT, RESTORE, MODEL_SOURCE, TOKENIZER, MODEL_STRUCTURE, KERNEL_PREP, CUDA_INIT, WEIGHTS,
-               KV_CACHE, CUDA_GRAPHS, READY, GRAPHS_AFTER_READY, FIRST_TOKEN)
+               KV_CACHE, CUDA_GRAPHS, READY, GRAPHS_AFTER_READY, MODEL_SWITCH, FIRST_TOKEN)
 
 
 @dataclass
@@ -63,9 +64,13 @@ class Timeline:
         self._stages: list[Stage] = []
         self._lock = threading.Lock()
 
-    def record(self, name: str, start: float, end: float, **detail: Any) -> Stage:
+    def record(self, name: str, start: float, end: float, replace: bool = False, **detail: Any) -> Stage:
+        """A stage that ran from `start` to `end`; `replace` drops the earlier ones of that name (a stage
+        that recurs while serving keeps only its latest)."""
         stage = Stage(name, start, end, dict(detail))
         with self._lock:
+            if replace:
+                self._stages = [s for s in self._stages if s.name != name]
             self._stages.append(stage)
         return stage
 

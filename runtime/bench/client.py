@@ -29,13 +29,16 @@ class RequestTiming:
 
 
 async def stream_completion(client: httpx.AsyncClient, url: str, prompt: Prompt, max_tokens: int,
-                            timeout: float = 600.0, every_token: bool = False) -> RequestTiming:
+                            timeout: float = 600.0, every_token: bool = False,
+                            model: str | None = None) -> RequestTiming:
     """POST /v1/completions with stream=true. The first token is the first chunk that carries text or, with
     `every_token`, the first chunk at all: asking for logprobs makes the server send a chunk for each token,
     even one whose text is still incomplete (part of a UTF-8 character). A failed request never raises: the
-    reason lands in `error`."""
+    reason lands in `error`. `model` names one model of a several-model instance."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0.0,
             "ignore_eos": True, "stream_options": {"include_usage": True}}
+    if model is not None:
+        body["model"] = model
     if every_token:
         body["logprobs"] = 1
     timing = RequestTiming(sent_at=time.time())

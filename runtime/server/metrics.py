@@ -1,6 +1,9 @@
 """Prometheus metrics: the cold start (stage durations, restore path), latency (TTFT, inter-token), tokens,
 and the engine's queues and KV cache, read from the engine at scrape time. The request metrics are also
 exported under vLLM's names (`vllm:...`, labelled with `model_name`), so dashboards made for vLLM work.
+With several models, the instance-wide series sum over their engines (the vLLM ones are labelled with
+each request's model) and each model also has its own (`model` and `device` labels): resident and retained
+bytes, loads, switches and switch seconds, beside each device pool's free bytes.
 
 Each app has its own registry, so several apps (tests, or a handler that builds its own) never collide.
 """
@@ -24,6 +27,8 @@ if TYPE_CHECKING:
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28)
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+# A switch spans a fully retained model (ms) to a whole 8B model streamed from disk (seconds).
+_SWITCH_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 class _Stats(Protocol):
@@ -71,32 +76,39 @@ class ServerMetrics:
                                               registry=r)
         self.vllm_request_success = Counter("vllm:request_success", "Finished requests, by finish reason",
                                             model + ["finished_reason"], registry=r)
+        self.switch_seconds = Histogram(
+            "thawllm_model_switch_seconds", "Making a model resident for a request (bytes moved), by model and "
+            "device", ["model", "device"], buckets=_SWITCH_BUCKETS, registry=r)
+        self.loaded_bytes = Counter(
+            "thawllm_model_loaded_bytes", "Weight bytes streamed into a device pool for a model (its first start "
+            "and every switch that found bytes missing)", ["model", "device"], registry=r)
         r.register(_StateCollector(state))
 
-    @property
-    def _model(self) -> str:
-        return self._state.model_name or ""
+    def _model(self, model: str | None) -> str:
+        """The vLLM series' model_name: the request's model (several models) or the instance's."""
+        return model or self._state.model_name or ""
 
-    def first_token(self, seconds: float) -> None:
+    def first_token(self, seconds: float, model: str | None = None) -> None:
         self.time_to_first_token.observe(seconds)
-        self.vllm_time_to_first_token.labels(self._model).observe(seconds)
+        self.vllm_time_to_first_token.labels(self._model(model)).observe(seconds)
 
-    def tokens(self, n: int, gap: float | None) -> None:
+    def tokens(self, n: int, gap: float | None, model: str | None = None) -> None:
         """`n` tokens generated; `gap` seconds since the previous ones (None for the first)."""
         if gap is not None:
             for _ in range(n):
                 self.inter_token_latency.observe(gap / n)
-                self.vllm_inter_token_latency.labels(self._model).observe(gap / n)
+                self.vllm_inter_token_latency.labels(self._model(model)).observe(gap / n)
         self.generated_tokens.inc(n)
-        self.vllm_generation_tokens.labels(self._model).inc(n)
+        self.vllm_generation_tokens.labels(self._model(model)).inc(n)
 
-    def finished(self, finish_reason: str | None, prompt_tokens: int, seconds: float) -> None:
+    def finished(self, finish_reason: str | None, prompt_tokens: int, seconds: float,
+                 model: str | None = None) -> None:
         reason = finish_reason or "unknown"
         self.prompt_tokens.inc(prompt_tokens)
         self.finished_requests.labels(reason).inc()
-        self.vllm_prompt_tokens.labels(self._model).inc(prompt_tokens)
-        self.vllm_request_success.labels(self._model, reason).inc()
-        self.vllm_e2e_latency.labels(self._model).observe(seconds)
+        self.vllm_prompt_tokens.labels(self._model(model)).inc(prompt_tokens)
+        self.vllm_request_success.labels(self._model(model), reason).inc()
+        self.vllm_e2e_latency.labels(self._model(model)).observe(seconds)
 
     def route(self) -> Route:
         async def metrics(request: Request) -> Response:
@@ -125,7 +137,8 @@ class _StateCollector(Collector):
         yield path
         yield GaugeMetricFamily("thawllm_ready", "1 while the engine serves requests",
                                 value=1 if state.ready else 0)
-        stats = state.engine.stats() if state.engine is not None else None
+        engines = state.models if state.models is not None else state.engine
+        stats = engines.stats() if engines is not None else None
         for name, doc, value in (
                 ("thawllm_requests_running", "Requests in the running batch", stats and stats.running),
                 ("thawllm_requests_waiting", "Requests waiting to be scheduled", stats and stats.waiting),
@@ -153,3 +166,28 @@ class _StateCollector(Collector):
         yield CounterMetricFamily("thawllm_prefix_cache_hits", "Prompt tokens found in the prefix cache (their "
                                   "keys and values reused, not computed)",
                                   value=stats.prefix_cache_hits if stats is not None else 0)
+        if state.models is not None:
+            yield from _pool_metrics(state)
+
+
+def _pool_metrics(state: "AppState") -> Iterable[Metric]:
+    labels = ["model", "device"]
+    resident = GaugeMetricFamily("thawllm_model_resident_bytes", "Weight bytes of a model in place for serving",
+                                 labels=labels)
+    retained = GaugeMetricFamily("thawllm_model_retained_bytes",
+                                 "Weight bytes of an inactive model kept in the pool", labels=labels)
+    total = GaugeMetricFamily("thawllm_model_bytes", "Weight bytes of a model", labels=labels)
+    loads = CounterMetricFamily("thawllm_model_loads", "Loads of a model's weights into the pool", labels=labels)
+    switches = CounterMetricFamily("thawllm_model_switches", "Times a model was made resident for a request",
+                                   labels=labels)
+    free = GaugeMetricFamily("thawllm_pool_free_bytes", "Bytes of a device pool holding nothing", labels=["device"])
+    for device, slot in state.models.slots.items():
+        stats = slot.pool.stats()
+        free.add_metric([device], stats.free_bytes)
+        for name, m in stats.models.items():
+            resident.add_metric([name, device], m.resident_bytes)
+            retained.add_metric([name, device], m.retained_bytes)
+            total.add_metric([name, device], m.total_bytes)
+            loads.add_metric([name, device], m.loads)
+            switches.add_metric([name, device], m.switches)
+    yield from (resident, retained, total, loads, switches, free)

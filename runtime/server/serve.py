@@ -125,9 +125,9 @@ async def _start(server: _Server, state: AppState, start_engine: StartEngine) ->
         server.should_exit = True
         return None
     state.mark_ready(started)
-    log.info("ready: serving %s on port %d (restore path %s)\n%s", state.model_name, server.config.port,
-             started.restore_path, state.timeline.format_table())
-    return started.engine
+    log.info("ready: serving %s on port %d (restore path %s)\n%s", ", ".join(state.served_names),
+             server.config.port, started.restore_path, state.timeline.format_table())
+    return state.models if state.models is not None else started.engine
 
 
 def _in_daemon_thread(fn: Callable[[], T]) -> "asyncio.Future[T]":

@@ -2,7 +2,8 @@
 
 The bootstrap starts listening with an empty state (every route but /health and /metrics answers 503),
 runs a start path in the background and then fills the state in with `mark_ready()`. Handlers read the
-engine only through `require_engine()`, which hands them the narrow EngineView.
+engine only through `require_engine()`, which hands them the narrow EngineView (with several models, the
+ModelView of the model a request names: runtime/server/models.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from runtime import timeline as stages
 from runtime.server.engine_view import EngineView
 from runtime.server.errors import APIError, not_ready
 from runtime.server.metrics import ServerMetrics
+from runtime.server.models import ModelView, ServedModels, StartedModels
 from runtime.start_paths import RESTORE_PATHS
 from runtime.timeline import Timeline
 
@@ -40,8 +42,12 @@ class AppState:
     timeline: Timeline
     #: the name clients use; known from SERVED_MODEL_NAME before the engine is, else from the engine
     model_name: str | None = None
+    #: several models (a MODEL list): their names, known from the start; model_name stays None
+    model_names: list[str] = field(default_factory=list)
     phase: Phase = "starting"
     engine: EngineView | None = None
+    #: several models: their views and the devices' slots, once started
+    models: ServedModels | None = None
     #: which start path produced the engine, and why each faster one was not taken
     restore_path: str | None = None
     skipped: dict[str, str] = field(default_factory=dict)
@@ -54,11 +60,15 @@ class AppState:
         self.metrics = ServerMetrics(self)
 
     # Called on the event loop's thread: the state is read by request handlers without locks.
-    def mark_ready(self, started: StartedEngine) -> None:
+    def mark_ready(self, started: StartedEngine | StartedModels) -> None:
         if started.restore_path not in RESTORE_PATHS:
             raise ValueError(f"unknown restore path {started.restore_path!r}")
-        self.engine = EngineView(started.engine, self.metrics, self.timeline)
-        self.model_name = self.model_name or started.engine.model_name
+        if isinstance(started, StartedModels):
+            self.models = ServedModels(started, self.metrics, self.timeline)
+            self.model_names = self.models.names
+        else:
+            self.engine = EngineView(started.engine, self.metrics, self.timeline)
+            self.model_name = self.model_name or started.engine.model_name
         self.restore_path = started.restore_path
         self.skipped = dict(started.skipped)
         self.restore_order = dict(started.restore_order)
@@ -80,12 +90,24 @@ class AppState:
         """The drain's grace period is over: every request still in the engine ends with RequestCut."""
         if self.engine is not None:
             self.engine.cut_requests(reason)
+        if self.models is not None:
+            self.models.cut_requests(reason)
 
     @property
     def ready(self) -> bool:
         return self.phase == "ready"
 
-    def require_engine(self) -> EngineView:
+    @property
+    def served_names(self) -> list[str]:
+        """Every model name clients may use."""
+        return list(self.model_names) if self.model_names else [n for n in [self.model_name] if n]
+
+    def require_engine(self, model: Any = None) -> EngineView | ModelView:
+        """The engine that serves a request naming `model`. With one model the name is checked where the
+        request is parsed (handlers/openai_protocol.py), as it always was; with several it picks the model
+        (400 when missing, 404 when unknown)."""
+        if self.phase == "ready" and self.models is not None:
+            return self.models.view(model)
         if self.phase == "ready" and self.engine is not None:
             return self.engine
         if self.phase == "draining":

@@ -1,0 +1,159 @@
+"""Several models in one real server (MODEL=name=reference,...), through the real `openai` client: each model
+answers exactly as transformers does with that model alone, whatever the interleaving, and when the pool
+cannot hold them all, eviction and reload leave the outputs unchanged."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.server.conftest import API_KEY, start_server
+from tests.server.test_openai_api import metrics
+from tests.test_engine import hf_greedy
+
+MODELS = ("tiny-llama", "tiny-qwen2", "tiny-qwen3")
+PROMPTS = [[3, 17, 42, 99, 5], [250, 7, 7, 1, 33, 120, 64], [11, 300]]
+MAX_TOKENS = 10
+
+
+def served_text(model_dir: str, prompt: list[int], n: int) -> str:
+    """What a server makes of transformers' greedy tokens: the engine's own detokenizer over them."""
+    from runtime.engine.detokenizer import OutputText
+    from runtime.engine.tokenizer import Tokenizer
+
+    tokens, _ = hf_greedy(model_dir, prompt, n)
+    text = OutputText(Tokenizer(Path(model_dir)), prompt, [])
+    for token in tokens:
+        text.add_token(token)
+    return text.text
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tiny_model) -> dict[str, str]:
+    return {name: tiny_model(name) for name in MODELS}
+
+
+@pytest.fixture(scope="module")
+def expected(model_dirs) -> dict[tuple[str, int], str]:
+    return {(name, i): served_text(model_dirs[name], prompt, MAX_TOKENS)
+            for name in MODELS for i, prompt in enumerate(PROMPTS)}
+
+
+def model_list(model_dirs: dict[str, str]) -> str:
+    return ",".join(f"{name}={path}" for name, path in model_dirs.items())
+
+
+def start(tmp_path_factory, name: str, model_dirs: dict[str, str], **settings: str):
+    srv = start_server(tmp_path_factory.mktemp(name), name, MODEL=model_list(model_dirs), API_KEY=API_KEY,
+                       MAX_MODEL_LEN="256", MAX_NUM_SEQS="4", **settings)
+    try:
+        srv.wait_ready()
+    except Exception:
+        srv.stop()
+        raise
+    return srv
+
+
+@pytest.fixture(scope="module")
+def roomy(tmp_path_factory, model_dirs):
+    """A pool that holds every model."""
+    srv = start(tmp_path_factory, "roomy", model_dirs, POOL_MEMORY_GB="1")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def tight(tmp_path_factory, model_dirs, roomy):
+    """A pool that holds about two of the three models: switches evict."""
+    need = max(m["total_bytes"] for m in http_get(roomy, "/health")["pools"]["cpu"]["models"].values())
+    srv = start(tmp_path_factory, "tight", model_dirs, POOL_MEMORY_GB=str(TIGHT_MODELS * need / 2**30))
+    yield srv
+    srv.stop()
+
+
+TIGHT_MODELS = 2.2  # pool budget, in model sizes (KV caches and buffers come out of it too)
+
+
+def http_get(srv, path: str) -> dict:
+    return httpx.get(f"{srv.url}{path}", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30).json()
+
+
+def client(srv) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{srv.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def complete(srv, model: str, prompt: list[int]) -> str:
+    r = client(srv).completions.create(model=model, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert r.model == model
+    return r.choices[0].text
+
+
+def test_interleaved_requests_get_each_models_own_greedy_output(roomy, expected):
+    jobs = [(name, i) for i in range(len(PROMPTS)) for name in MODELS] * 2
+    with ThreadPoolExecutor(6) as pool:
+        texts = list(pool.map(lambda job: complete(roomy, job[0], PROMPTS[job[1]]), jobs))
+    assert texts == [expected[job] for job in jobs]
+
+
+def test_models_lists_every_model(roomy):
+    listed = client(roomy).models.list().data
+    assert [m.id for m in listed] == list(MODELS)
+    assert client(roomy).models.retrieve("tiny-qwen2").id == "tiny-qwen2"
+
+
+def test_a_request_must_name_a_served_model(roomy):
+    with pytest.raises(openai.NotFoundError) as info:
+        client(roomy).completions.create(model="tiny-gpt", prompt="hi", max_tokens=2)
+    assert info.value.code == "model_not_found" and "tiny-llama" in info.value.message
+    r = httpx.post(f"{roomy.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2},
+                   headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30)
+    assert r.status_code == 400 and "'model' is required" in r.json()["error"]["message"]
+
+
+def test_health_and_metrics_report_each_model(roomy):
+    complete(roomy, "tiny-qwen3", PROMPTS[0])
+    health = http_get(roomy, "/health")
+    assert health["models"] == list(MODELS) and health["placement"] == "affinity"
+    pool = health["pools"]["cpu"]
+    qwen3 = pool["models"]["tiny-qwen3"]
+    assert qwen3["resident_bytes"] == qwen3["total_bytes"] > 0 and qwen3["loads"] >= 1
+    assert 0 < pool["free_bytes"] < pool["budget_bytes"]
+    with httpx.Client(base_url=roomy.url, headers={"Authorization": f"Bearer {API_KEY}"}) as http:
+        m = metrics(http)
+    for name in MODELS:
+        assert f"thawllm_model_bytes{{device=cpu,model={name}}}" in m
+    assert m["thawllm_model_resident_bytes{device=cpu,model=tiny-qwen3}"] == qwen3["total_bytes"]
+    assert m["thawllm_model_loads_total{device=cpu,model=tiny-qwen3}"] >= 1
+    assert m["thawllm_model_switch_seconds_count{device=cpu,model=tiny-qwen3}"] >= 1
+    assert m["thawllm_pool_free_bytes{device=cpu}"] == pytest.approx(pool["free_bytes"], rel=0.5)
+    assert m["thawllm_time_to_first_token_seconds_count"] >= 1  # the instance-wide series stay
+    assert "model_switch" in health["timeline"]
+
+
+def test_a_pool_too_small_for_all_evicts_and_reloads_with_the_same_outputs(tight, expected):
+    order = [("tiny-llama", 0), ("tiny-qwen2", 1), ("tiny-qwen3", 2), ("tiny-llama", 1), ("tiny-qwen2", 0),
+             ("tiny-qwen3", 0), ("tiny-llama", 2)]
+    assert [complete(tight, name, PROMPTS[i]) for name, i in order] == [expected[job] for job in order]
+    models = http_get(tight, "/health")["pools"]["cpu"]["models"]
+    assert models["tiny-llama"]["loads"] >= 2  # evicted by the others, then loaded again
+    assert all(m["switches"] >= 2 for m in models.values())
+    # interleaved and concurrent too: each request waits for its model's switch
+    jobs = [(name, i) for i in range(len(PROMPTS)) for name in MODELS]
+    with ThreadPoolExecutor(6) as pool:
+        texts = list(pool.map(lambda job: complete(tight, job[0], PROMPTS[job[1]]), jobs))
+    assert texts == [expected[job] for job in jobs]
+
+
+def test_a_model_larger_than_the_pool_fails_the_start_with_a_clear_error(tmp_path, model_dirs):
+    srv = start_server(tmp_path, "small", MODEL=model_list(model_dirs), POOL_MEMORY_GB="0.0001",
+                       MAX_MODEL_LEN="256")
+    try:
+        assert srv.process.wait(timeout=60) == 1
+    finally:
+        srv.stop()
+    assert "cannot be served on cpu" in srv.log() and "the pool holds" in srv.log()
