@@ -42,7 +42,8 @@ def health_report(state: AppState) -> dict:
 def _pool_report(stats) -> dict:
     return {"free_bytes": stats.free_bytes, "budget_bytes": stats.budget_bytes,
             "models": {name: {"resident_bytes": m.resident_bytes, "retained_bytes": m.retained_bytes,
-                              "total_bytes": m.total_bytes, "loads": m.loads, "switches": m.switches,
+                              "total_bytes": m.total_bytes, "kv_bytes": m.kv_bytes, "requests_in_flight": m.held,
+                              "loads": m.loads, "switches": m.switches,
                               "last_switch_s": m.last_switch_s} for name, m in stats.models.items()}}
 
 

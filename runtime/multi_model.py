@@ -56,7 +56,8 @@ def start_models(settings: Settings, timeline: Timeline) -> StartedModels:
     where = placements(settings, devices)
     try:
         pools = {d: ModelPool(torch.device(device_kind), device_budget(
-            torch.device(device_kind), settings.gpu_memory_utilization, settings.pool_memory_gb)) for d in devices}
+            torch.device(device_kind), settings.gpu_memory_utilization, settings.pool_memory_gb),
+            settings.pool_eviction) for d in devices}
     except PoolError as exc:
         raise ConfigError(str(exc)) from None
     engines: dict[str, list[Placement]] = {}
@@ -66,7 +67,7 @@ def start_models(settings: Settings, timeline: Timeline) -> StartedModels:
             try:
                 pools[device].add(model.name, engine)
             except PoolError as exc:
-                raise ConfigError(f"model {model.name!r} cannot be served on {device}: {exc}") from None
+                raise ConfigError(f"{device}: {exc}") from None
             engines.setdefault(model.name, []).append(Placement(device, engine))
     first = settings.models[0].name
     device = where[first][0]

@@ -160,7 +160,8 @@ class DeviceSlot:
         queued_s = self._queued_bytes / self.load_rate
         if not running and self._others_in_flight(model) and m.total_bytes - held > stats.free_bytes:
             queued_s += self.request_s  # room comes back when a running request finishes
-        return DeviceLoad(self.device, m.total_bytes, held, queued_s, running, m.total_bytes <= stats.budget_bytes)
+        return DeviceLoad(self.device, m.total_bytes, held, queued_s, running, m.total_bytes <= stats.budget_bytes,
+                          stats.free_bytes)
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)
