@@ -1,4 +1,5 @@
-"""faas-bench: measure cold starts and load. `faas-bench coldstart --help`, `faas-bench trace --help`."""
+"""faas-bench: measure cold starts and load. `faas-bench coldstart --help`, `faas-bench trace --help`,
+`faas-bench switch --help` (several models in one instance)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from runtime.bench.coldstart_command import run_coldstart_command
 
             return asyncio.run(run_coldstart_command(args, settings))
+        if args.command == "switch":
+            from runtime.bench.switch_command import run_switch_command
+
+            return asyncio.run(run_switch_command(args, settings))
         from runtime.bench.trace_command import run_trace_command
 
         return asyncio.run(run_trace_command(args, settings))
@@ -49,12 +54,13 @@ def server_settings(args: argparse.Namespace) -> dict[str, str]:
             raise ConfigError(f"--set {item!r}: expected NAME=VALUE with NAME one of the runtime's settings "
                               f"(runtime/config.py), e.g. MAX_MODEL_LEN=2048")
         settings[name] = value
-    for name, value in (("MODEL", args.model), ("SNAPSHOT_DIR", args.snapshot_dir), ("DEVICE", args.device),
-                        ("DTYPE", args.dtype)):
+    for name, value in (("MODEL", getattr(args, "model", None)), ("SNAPSHOT_DIR", args.snapshot_dir),
+                        ("DEVICE", args.device), ("DTYPE", args.dtype)):
         if value:
             settings[name] = str(value)
     Settings.from_env(settings)  # a bad value fails here, with the runtime's own one-line reason
-    if args.model and not args.model.startswith("s3://") and not Path(args.model).expanduser().exists():
+    if getattr(args, "model", None) and not args.model.startswith("s3://") and not Path(
+            args.model).expanduser().exists():
         raise ConfigError(f"--model {args.model!r}: no such file or directory")
     return settings
 
@@ -143,7 +149,52 @@ def _parser() -> argparse.ArgumentParser:
                        help="an instance idle this long is retired (30 s)")
     trace.add_argument("--gpus", type=lambda t: tuple(g.strip() for g in t.split(",") if g.strip()), default=(),
                        help="spread instances over these GPUs, round robin, e.g. 0,1 (default: all see all)")
+    _switch_parser(sub, common)
     return parser
+
+
+def _shapes(text: str) -> list[tuple[str, int]]:
+    from runtime.bench.switch_models import parse_shapes
+
+    try:
+        return parse_shapes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _switch_parser(sub, common: argparse.ArgumentParser) -> None:
+    switch = sub.add_parser(
+        "switch", parents=[common], help="several models in one instance: switch latency and a multi-model trace",
+        description="Random-weight models of real shapes in one instance: the switch latency to a model fully "
+                    "retained, partly retained and evicted, beside a fresh instance of it and transformers; then "
+                    "a multi-model trace (Zipf popularity) against LRU whole-model eviction and one instance per "
+                    "model scaled to zero. --model is not used: the bench makes its models.")
+    switch.add_argument("--shapes", type=_shapes, default=_shapes("qwen2-1.5b:4,llama-3-8b:2"),
+                        help="shape:count,... among tiny, smollm2-135m, qwen2-1.5b, llama-3-8b "
+                             "(default qwen2-1.5b:4,llama-3-8b:2; tiny:3 for a CPU smoke run)")
+    switch.add_argument("--models-dir", type=Path, help="where the models are made once and reused (default OUT/models)")
+    switch.add_argument("--chunk-mb", type=_positive(float), default=16.0,
+                        help="the layouts' chunk size: the pool evicts and reloads in groups of chunks (16)")
+    switch.add_argument("--pool-gb", type=_positive(float),
+                        help="the instance's pool (default: twice the largest model or half of all, the larger)")
+    switch.add_argument("--prompt-tokens", type=_positive(int), default=161, help="switch probes' prompt (161)")
+    switch.add_argument("--fresh-modes", type=_modes(SERVER_MODES), default=("cold",),
+                        help="restore paths tried for the fresh instance of B, the fastest reported (cold; "
+                             "others need B's snapshots in --snapshot-dir)")
+    switch.add_argument("--rates", type=_rates, default=(1.0,), help="trace request rates (1)")
+    switch.add_argument("--duration", type=_positive(float), default=120.0, help="seconds of arrivals per rate (120)")
+    switch.add_argument("--zipf", type=float, default=1.0, help="Zipf exponent of model popularity (1.0)")
+    switch.add_argument("--seed", type=int, default=0, help="seed of arrivals, lengths and models (0)")
+    switch.add_argument("--prompt-mean", type=_positive(float), default=161.0, help="mean prompt tokens (161)")
+    switch.add_argument("--output-mean", type=_positive(float), default=338.0, help="mean output tokens (338)")
+    switch.add_argument("--length-scale", type=_positive(float), default=1.0,
+                        help="multiplies both means, e.g. 0.02 for a CPU smoke run (1.0)")
+    switch.add_argument("--max-len", type=_positive(int), default=2048, help="prompt + output clipped to this (2048)")
+    switch.add_argument("--idle-timeout", type=_positive(float), default=30.0,
+                        help="per-model instances idle this long are retired (30 s)")
+    switch.add_argument("--gpus", type=_positive(int), default=1,
+                        help="devices for the placement policies (affinity, round-robin, fixed); on cpu "
+                             "simulated by POOL_CPU_DEVICES (1)")
 
 
 if __name__ == "__main__":

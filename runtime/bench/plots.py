@@ -118,3 +118,39 @@ def plot_trace(points: list[dict[str, Any]], path: Path, title: str) -> None:
     fig.suptitle(title, fontsize=10)
     _save(fig, path)
     plt.close(fig)
+
+
+def plot_switch(probes: list[dict[str, Any]], fresh_s: dict[str, float | None], points: list[dict[str, Any]],
+                path: Path, title: str) -> None:
+    """Left: B's first token after a switch, per probe, beside a fresh instance of B and transformers.
+    Right: the multi-model trace's TTFT distribution per system."""
+    plt = _pyplot()
+    fig, (bars, cdf) = plt.subplots(1, 2, figsize=(14, 4.5))
+    labels, values, colors = [], [], []
+    for p in probes:
+        if p["status"] == "ok":
+            labels.append(f"{p['model']}\n{p['state']} ({p['retained_fraction']:.0%})")
+            values.append(p["ttft_s"])
+            colors.append("tab:blue")
+    for key, seconds in fresh_s.items():
+        if seconds is not None:
+            labels.append(key.replace(":", "\n"))
+            values.append(seconds)
+            colors.append("tab:gray")
+    bars.bar(range(len(values)), values, color=colors)
+    bars.set_xticks(range(len(values)), labels, fontsize=6, rotation=45, ha="right")
+    bars.set_yscale("log")
+    bars.set(ylabel="to B's first token (s, log)", title="switch (blue) vs a fresh start (gray)")
+    bars.grid(alpha=0.3, axis="y")
+    for i, p in enumerate(points):
+        ttfts = sorted(p["ttfts_s"])
+        cdf.plot(ttfts, [(k + 1) / len(ttfts) for k in range(len(ttfts))], color=plt.get_cmap("tab10")(i % 10),
+                 label=f"{p['system']} @ {p['rate']:g}/s", drawstyle="steps-post")
+    cdf.set_xscale("log")
+    cdf.set(xlabel="TTFT (s, log)", ylabel="share of requests", title="multi-model trace")
+    cdf.grid(alpha=0.3)
+    if points:
+        cdf.legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    _save(fig, path)
+    plt.close(fig)

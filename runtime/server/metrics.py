@@ -35,6 +35,15 @@ class _Stats(Protocol):
     def stats(self) -> "EngineStats": ...
 
 
+class _Models(Protocol):
+    """Several models (runtime/server/models.py: ServedModels): their summed stats and each device's slot,
+    whose `pool.stats()` the per-model series read."""
+
+    slots: dict
+
+    def stats(self) -> "EngineStats": ...
+
+
 class Instance(Protocol):
     """What the metrics read at scrape time: the app's state (runtime/server/state.py: AppState) has it.
     A protocol, so that the state depends on the metrics and not the other way round."""
@@ -43,6 +52,7 @@ class Instance(Protocol):
     model_name: str | None
     restore_path: str | None
     engine: _Stats | None
+    models: _Models | None
 
     @property
     def ready(self) -> bool: ...
@@ -170,7 +180,7 @@ class _StateCollector(Collector):
             yield from _pool_metrics(state)
 
 
-def _pool_metrics(state: "AppState") -> Iterable[Metric]:
+def _pool_metrics(state: Instance) -> Iterable[Metric]:
     labels = ["model", "device"]
     resident = GaugeMetricFamily("thawllm_model_resident_bytes", "Weight bytes of a model in place for serving",
                                  labels=labels)

@@ -1,0 +1,207 @@
+"""`faas-bench switch`: several models in one instance. The switch latency probes (switch.py) beside a fresh
+instance of B on its fastest restore path and B loaded by transformers (coldstart.py), then the multi-model
+trace (multi_trace.py). Writes switch-latency.json, multi-model-trace.json, switch.md and switch.png."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shutil
+import subprocess
+from pathlib import Path
+
+import httpx
+
+from runtime.bench import BenchError
+from runtime.bench.coldstart import ColdStartPlan, run_coldstart
+from runtime.bench.instance import Instance
+from runtime.bench.machine import describe_machine
+from runtime.bench.multi_trace import SystemPoint, run_per_model, run_pool, zipf_models
+from runtime.bench.plots import plot_switch
+from runtime.bench.prompt import PromptMaker
+from runtime.bench.records import BASELINE_MODE, ModeResult
+from runtime.bench.report import provenance, write_json
+from runtime.bench.switch import STATES, InstanceProbe, SwitchProbe, probe, probe_targets
+from runtime.bench.switch_models import BenchModel, make_models
+from runtime.bench.workload import WorkloadShape, make_workload
+from runtime.logs import get_logger
+
+log = get_logger("bench")
+
+GiB = 1 << 30
+#: what the CUDA context and the engines' own buffers take beside the pool, kept out of its budget
+_CUDA_MARGIN = 2 * GiB
+
+
+async def run_switch_command(args: argparse.Namespace, settings: dict[str, str]) -> int:
+    args.out.mkdir(parents=True, exist_ok=True)
+    settings = {"MAX_MODEL_LEN": str(args.max_len), "MAX_NUM_SEQS": "16", **settings}
+    log_dir = args.out / "logs"
+    models_dir = args.models_dir or args.out / "models"
+    log.info("switch: making %s in %s", ", ".join(f"{n} x {s}" for s, n in args.shapes), models_dir)
+    models = make_models(args.shapes, models_dir, int(args.chunk_mb * 2**20), log_dir)
+    pool_bytes = int(args.pool_gb * GiB) if args.pool_gb else default_pool_bytes(models)
+    device = settings.get("DEVICE", "auto")
+    base = {**settings, "MODEL": ",".join(f"{m.name}={m.layout_dir}" for m in models),
+            **pool_budget(pool_bytes, device)}
+    prompts = PromptMaker(str(models[0].hf_dir))
+    context = {"command": "switch", "argv": args.argv, "machine": describe_machine(), "settings": settings,
+               "models": [dataclasses.asdict(m) | {"hf_dir": str(m.hf_dir), "layout_dir": str(m.layout_dir)}
+                          for m in models], "pool_bytes": pool_bytes}
+    probes, fresh = await _switch_latency(args, base, models, prompts, settings, log_dir)
+    write_json(args.out / "switch-latency.json", {**context, "probes": [dataclasses.asdict(p) for p in probes],
+                                                 "fresh": {k: dataclasses.asdict(v) for k, v in fresh.items()}})
+    points = await _trace(args, base, models, prompts, settings, pool_bytes, log_dir)
+    write_json(args.out / "multi-model-trace.json", {**context, "rates": args.rates, "duration_s": args.duration,
+                                                    "zipf": args.zipf, "seed": args.seed,
+                                                    "points": [dataclasses.asdict(p) for p in points]})
+    tables = "\n\n".join([provenance(context), probe_table(probes, fresh), trace_table(points)])
+    (args.out / "switch.md").write_text(tables + "\n")
+    plot_switch([dataclasses.asdict(p) for p in probes], {k: _fastest_s(v) for k, v in fresh.items()},
+                [dataclasses.asdict(p) for p in points if p.status == "ok"], args.out / "switch.png",
+                f"{len(models)} models in one instance on {', '.join(context['machine']['gpus']) or 'CPU'}")
+    print(tables)
+    print(f"\nwrote {args.out / 'switch-latency.json'}, {args.out / 'multi-model-trace.json'}, "
+          f"{args.out / 'switch.md'}, {args.out / 'switch.png'}")
+    failed = [p for p in points if p.status == "failed"]
+    return 1 if failed else 0
+
+
+def default_pool_bytes(models: list[BenchModel]) -> int:
+    """Room for the largest model two and a half times (two models and their KV caches) or for 60% of all
+    the models, whichever is more: less than all of them, so that switches evict."""
+    return max(5 * max(m.nbytes for m in models) // 2, 3 * sum(m.nbytes for m in models) // 5)
+
+
+def pool_budget(pool_bytes: int, device: str) -> dict[str, str]:
+    """The settings that give the instance's pool `pool_bytes`: POOL_MEMORY_GB on the host; on a GPU the
+    GPU_MEMORY_UTILIZATION that leaves that much beside the CUDA context."""
+    total = _gpu_memory_bytes() if device != "cpu" else None
+    if total is None:
+        return {"POOL_MEMORY_GB": f"{pool_bytes / GiB:.6f}"}
+    share = (pool_bytes + _CUDA_MARGIN) / total
+    if share > 1:
+        raise BenchError(f"a pool of {pool_bytes / GiB:.1f} GiB does not fit the GPU's {total / GiB:.1f} GiB")
+    return {"GPU_MEMORY_UTILIZATION": f"{share:.4f}"}
+
+
+def _gpu_memory_bytes() -> int | None:
+    if shutil.which("nvidia-smi") is None:
+        return None
+    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, timeout=20)
+    lines = out.stdout.split()
+    return int(lines[0]) * 2**20 if out.returncode == 0 and lines else None
+
+
+# -- switch latency ----------------------------------------------------------------------------------------
+
+async def _switch_latency(args, base: dict[str, str], models: list[BenchModel], prompts: PromptMaker,
+                          settings: dict[str, str], log_dir: Path) -> tuple[list[SwitchProbe], dict[str, ModeResult]]:
+    probes: list[SwitchProbe] = []
+    prompt = prompts.prompt(args.prompt_tokens)
+    async with httpx.AsyncClient() as client:
+        instance = Instance.spawn("cold", base, log_dir / "switch-instance.log")
+        try:
+            await instance.wait_ready(client, args.timeout)
+            target = InstanceProbe(client, instance.url, prompt, args.timeout)
+            for b, a, others in probe_targets(models):
+                for state in STATES:
+                    log.info("switch: probing %s %s (A = %s)", b.name, state, a.name)
+                    probes.append(await probe(target, b, a, others, state))
+        finally:
+            await instance.stop()
+    fresh = {}
+    for b, _, _ in probe_targets(models):
+        log.info("switch: a fresh instance of %s and transformers", b.name)
+        plan = ColdStartPlan(model=str(b.layout_dir), modes=tuple(args.fresh_modes) + (BASELINE_MODE,), repeat=1,
+                             page_cache="warm", settings={**settings, "MODEL": str(b.layout_dir)},
+                             log_dir=log_dir / f"fresh-{b.name}", prompt_tokens=args.prompt_tokens, max_tokens=1,
+                             timeout_s=args.timeout, baseline_model=str(b.hf_dir))
+        for result in await run_coldstart(plan):
+            fresh[f"{b.name}:{result.mode}"] = result
+    return probes, fresh
+
+
+def _fastest_s(result: ModeResult) -> float | None:
+    return min((r.spawn_to_first_token_s for r in result.runs), default=None)
+
+
+def probe_table(probes: list[SwitchProbe], fresh: dict[str, ModeResult]) -> str:
+    head = ["B", "state", "retained", "B's first token (s)", "B active (s)", "switch (s)", "loaded (MiB)",
+            "GiB/s", "fresh instance (s)", "transformers (s)"]
+    rows = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for p in probes:
+        fastest = [(k.split(":", 1)[1], _fastest_s(r)) for k, r in fresh.items()
+                   if k.startswith(f"{p.model}:") and r.status == "ok" and not k.endswith(BASELINE_MODE)]
+        fastest = [(mode, s) for mode, s in fastest if s is not None]
+        best = min(fastest, key=lambda item: item[1]) if fastest else None
+        hf = fresh.get(f"{p.model}:{BASELINE_MODE}")
+        hf_s = _fastest_s(hf) if hf and hf.status == "ok" else None
+        if p.status != "ok":
+            cells = [p.model, p.state, f"skipped: {p.reason}"] + [""] * (len(head) - 3)
+        else:
+            cells = [p.model, p.state, f"{p.retained_fraction:.0%}", f"{p.ttft_s:.3f}", f"{p.active_ttft_s:.3f}",
+                     _num(p.switch_s), f"{p.bytes_loaded / 2**20:.1f}", _num(p.gib_per_s, 1),
+                     f"{best[1]:.3f} ({best[0]})" if best else "-", _num(hf_s)]
+        rows.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
+    return "\n".join(rows)
+
+
+# -- the trace ---------------------------------------------------------------------------------------------
+
+async def _trace(args, base: dict[str, str], models: list[BenchModel], prompts: PromptMaker,
+                 settings: dict[str, str], pool_bytes: int, log_dir: Path) -> list[SystemPoint]:
+    systems = [("pool", {"POOL_EVICTION": "cost"}), ("lru", {"POOL_EVICTION": "lru"})]
+    if args.gpus > 1:
+        devices = _devices(args.gpus, settings.get("DEVICE", "auto"))
+        systems += [(f"pool-{p}", {**devices, "PLACEMENT": p}) for p in ("affinity", "round-robin", "fixed")]
+    largest = max(m.nbytes for m in models)
+    capacity = max(1, pool_bytes // int(largest * 1.25))  # a model and its KV cache per instance
+    per_model = {m.name: {**settings, "MODEL": str(m.layout_dir),
+                          **_instance_budget(pool_bytes // capacity, settings.get("DEVICE", "auto"))}
+                 for m in models}
+    points = []
+    for rate in args.rates:
+        shape = WorkloadShape(rate, args.duration, args.prompt_mean * args.length_scale,
+                              args.output_mean * args.length_scale, args.max_len, args.seed)
+        workload = make_workload(shape)
+        picks = zipf_models(models, len(workload), args.zipf, args.seed)
+        for system, extra in systems:
+            log.info("trace: %s at %g requests/s, %d requests over %g s", system, rate, len(workload), args.duration)
+            points.append(await run_pool(system, rate, workload, picks, prompts, {**base, **extra}, log_dir,
+                                         args.timeout))
+        log.info("trace: per-model (at most %d instances) at %g requests/s", capacity, rate)
+        points.append(await run_per_model(rate, workload, picks, prompts, per_model, capacity, args.idle_timeout,
+                                          log_dir, args.timeout))
+    return points
+
+
+def _devices(n: int, device: str) -> dict[str, str]:
+    if device != "cpu":
+        raise BenchError("--gpus: an engine runs on one GPU per process today, so several devices are measured "
+                         "on cpu (POOL_CPU_DEVICES); pass --device cpu")
+    return {"POOL_CPU_DEVICES": str(n)}
+
+
+def _instance_budget(nbytes: int, device: str) -> dict[str, str]:
+    budget = pool_budget(nbytes, device)
+    return {"GPU_MEMORY_UTILIZATION": budget["GPU_MEMORY_UTILIZATION"]} if "GPU_MEMORY_UTILIZATION" in budget else {}
+
+
+def trace_table(points: list[SystemPoint]) -> str:
+    head = ["system", "rate (req/s)", "requests", "completed", "TTFT p50 (s)", "TTFT p99 (s)", "switches / starts",
+            "streamed (GiB)"]
+    rows = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for p in points:
+        if p.status != "ok":
+            cells = [p.system, f"{p.rate:g}", str(p.requests), f"{p.status}: {p.reason}"] + [""] * 4
+        else:
+            cells = [p.system, f"{p.rate:g}", str(p.requests), str(p.completed), f"{p.ttft_p50_s:.3f}",
+                     f"{p.ttft_p99_s:.3f}", str(p.switches), f"{p.bytes_streamed / GiB:.2f}"]
+        rows.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
+    return "\n".join(rows)
+
+
+def _num(value: float | None, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"

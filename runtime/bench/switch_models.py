@@ -1,0 +1,81 @@
+"""The models of `faas-bench switch`: random weights of real shapes (scripts/model_shapes.py), each with
+its own seed so that no two share a byte, as a Hugging Face directory (what transformers loads) and a
+faas-build layout (what the instance serves: its chunks are the groups the pool retains or evicts).
+
+Made once in a models folder and reused. Each is made in a child process (`python -m
+runtime.bench.switch_models DIR SHAPE SEED CHUNK_BYTES`), so the bench never holds GPU memory itself.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from runtime.bench import BenchError
+from runtime.bench.instance import SOURCE_ROOT, child_environment
+
+#: shapes scripts/model_shapes.py knows, spelled out so that parsing the command line imports nothing
+SHAPE_NAMES = ("tiny", "smollm2-135m", "qwen2-1.5b", "llama-3-8b")
+
+
+@dataclass(frozen=True)
+class BenchModel:
+    name: str  # as clients call it in the instance: "<shape>-<i>"
+    shape: str
+    seed: int
+    hf_dir: Path
+    layout_dir: Path
+    nbytes: int  # weight bytes of the layout
+
+
+def parse_shapes(text: str) -> list[tuple[str, int]]:
+    """"qwen2-1.5b:4,llama-3-8b:2" -> [(shape, count)]. Raises ValueError."""
+    out = []
+    for item in text.split(","):
+        shape, _, count = item.strip().partition(":")
+        if shape not in SHAPE_NAMES:
+            raise ValueError(f"unknown shape {shape!r}: choose among {', '.join(SHAPE_NAMES)}")
+        n = int(count or 1)
+        if n < 1:
+            raise ValueError(f"{item!r}: the count must be positive")
+        out.append((shape, n))
+    return out
+
+
+def make_models(shapes: list[tuple[str, int]], models_dir: Path, chunk_bytes: int, log_dir: Path) -> list[BenchModel]:
+    models, seed = [], 0
+    for shape, count in shapes:
+        for i in range(count):
+            base = models_dir / f"{shape}-seed{seed}"
+            layout = Path(f"{base}-layout")
+            if not (layout / "manifest.json").is_file():
+                _make_one(base, layout, shape, seed, chunk_bytes, log_dir / f"make-{shape}-seed{seed}.log")
+            nbytes = sum(f["size"] for f in json.loads((layout / "manifest.json").read_text())["files"])
+            models.append(BenchModel(f"{shape}-{i}", shape, seed, base, layout, nbytes))
+            seed += 1
+    return models
+
+
+def _make_one(hf_dir: Path, layout: Path, shape: str, seed: int, chunk_bytes: int, log_path: Path) -> None:
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "wb") as log:
+        done = subprocess.run([sys.executable, "-m", "runtime.bench.switch_models", str(hf_dir), str(layout), shape,
+                               str(seed), str(chunk_bytes)], cwd=SOURCE_ROOT, env=child_environment({}, 0.0),
+                              stdout=log, stderr=subprocess.STDOUT)
+    if done.returncode != 0:
+        raise BenchError(f"making the {shape} model with seed {seed} failed (log: {log_path})")
+
+
+def _main(hf_dir: str, layout: str, shape: str, seed: str, chunk_bytes: str) -> None:
+    from runtime.weights.layout import write_layout
+    from scripts.model_shapes import make_random_model_dir
+
+    make_random_model_dir(Path(hf_dir), shape, int(seed))
+    write_layout(hf_dir, layout, dtype="bfloat16", chunk_bytes=int(chunk_bytes), progress=False)
+
+
+if __name__ == "__main__":
+    _main(*sys.argv[1:])
