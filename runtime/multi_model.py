@@ -5,6 +5,10 @@ placement gives it, and added to that device's ModelPool (runtime/pool); none is
 first model of the list is made resident on its first device, so the instance is ready with its weights
 in place, as a lone model's is; every other model is made resident by its first request (a switch).
 
+With SNAPSHOT_DIR, each model's materialised KV profile and CUDA graphs (faas-build bakes them into
+SNAPSHOT_DIR/name) go to the pool with its engine, which rebuilds the graphs at the model's first start
+instead of capturing them; the CRIU paths are not taken (their image holds one model's process).
+
 Devices: the GPU on CUDA, the host on CPU. POOL_CPU_DEVICES=N makes N host pools that stand for N GPUs,
 which is how the placement policies (runtime/server/routing.py) run without a GPU.
 """
@@ -20,6 +24,7 @@ from runtime.server.routing import fixed_devices
 from runtime.timeline import Timeline
 
 if TYPE_CHECKING:
+    from runtime.config import ModelRef
     from runtime.engine import Engine
 
 log = get_logger("multi_model")
@@ -61,11 +66,13 @@ def start_models(settings: Settings, timeline: Timeline) -> StartedModels:
     except PoolError as exc:
         raise ConfigError(str(exc)) from None
     engines: dict[str, list[Placement]] = {}
+    unbaked: dict[str, str] = {}
     for model in settings.models:
         for device in where[model.name]:
             engine: Engine = build_fresh(settings.for_model(model), timeline)
+            graphs = _baked_graphs(model_settings(settings, model), unbaked)
             try:
-                pools[device].add(model.name, engine)
+                pools[device].add(model.name, engine, graphs)
             except PoolError as exc:
                 raise ConfigError(f"{device}: {exc}") from None
             engines.setdefault(model.name, []).append(Placement(device, engine))
@@ -74,6 +81,37 @@ def start_models(settings: Settings, timeline: Timeline) -> StartedModels:
     report = pools[device].activate(first)  # the engine's start: its weights, KV cache and graphs stages
     log.info("serving %d models on %s (placement %s); %s resident on %s", len(engines), ", ".join(devices),
              settings.placement, first, device)
-    return StartedModels(engines, pools, settings.placement, "cold",
-                         {path: "several models: each model starts cold in the pool" for path in
-                          ("gpu", "process", "materialized")}, [(device, report)])
+    skipped = {path: "a several-model instance starts no CRIU snapshot (it holds one model's process)"
+               for path in ("gpu", "process")}
+    if unbaked:
+        skipped["materialized"] = "; ".join(f"{name}: {why}" for name, why in unbaked.items())
+    return StartedModels(engines, pools, settings.placement, "cold" if unbaked else "materialized", skipped,
+                         [(device, report)])
+
+
+def model_settings(settings: Settings, model: "ModelRef") -> Settings:
+    """One model's settings in a several-model instance: as if served alone, its snapshots in SNAPSHOT_DIR/name
+    (where faas-build bakes them)."""
+    per_model = settings.for_model(model)
+    if settings.snapshot_dir is None:
+        return per_model
+    return per_model.replace(snapshot_dir=settings.snapshot_dir / model.name)
+
+
+def _baked_graphs(settings: Settings, unbaked: dict[str, str]):
+    """The model's materialised graphs (a restorer for the pool), or None with the reason in `unbaked`."""
+    from runtime.start_paths import SkipPath
+
+    if settings.snapshot_dir is None:
+        unbaked[settings.served_model_name] = "SNAPSHOT_DIR is not set"
+        return None
+    from snapshots.restore import materialized_state
+
+    try:
+        return materialized_state(settings)[1]
+    except SkipPath as why:
+        unbaked[settings.served_model_name] = str(why)
+    except Exception as exc:  # a damaged snapshot must not keep the model from starting cold
+        log.exception("the materialized snapshot of %s is unusable", settings.served_model_name)
+        unbaked[settings.served_model_name] = f"unusable: {type(exc).__name__}: {exc}"
+    return None

@@ -22,6 +22,9 @@ log = get_logger("snapshots.bake")
 
 #: bake order (not restore order: see the module docstring)
 KINDS = ("materialized", "process", "gpu")
+#: what a model of a several-model instance can use: its KV profile and graphs (the pool hands them to the
+#: model's first start); a CRIU image holds one process with one model, which a several-model instance is not
+SEVERAL_MODELS_KINDS = ("materialized",)
 
 
 class CannotBake(Exception):
@@ -36,8 +39,10 @@ class BakeResult:
     seconds: float
 
 
-def bake_snapshots(settings: Settings, model_dir: Path, kinds: Iterable[str] | None = None) -> list[BakeResult]:
-    """Bake into settings.snapshot_dir. KINDS None means every kind this machine can bake."""
+def bake_snapshots(settings: Settings, model_dir: Path, kinds: Iterable[str] | None = None,
+                   usable: Iterable[str] = KINDS) -> list[BakeResult]:
+    """Bake into settings.snapshot_dir. KINDS None means every kind this machine can bake; a kind not in
+    USABLE (a model of a several-model instance) cannot be baked."""
     wanted = list(KINDS if kinds is None else kinds)
     results = []
     for kind in KINDS:
@@ -45,6 +50,8 @@ def bake_snapshots(settings: Settings, model_dir: Path, kinds: Iterable[str] | N
             continue
         started = time.time()
         try:
+            if kind not in usable:
+                raise CannotBake("a several-model instance starts no CRIU snapshot: it holds one model's process")
             detail = BAKERS[kind](settings, model_dir)
             status = "baked"
         except CannotBake as why:

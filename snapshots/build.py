@@ -56,34 +56,102 @@ class Build:
     manifest: object | None = None  # runtime.weights.manifest.Manifest, once the weights step has run
 
 
+def several_models(build: Build) -> list:
+    """The models of a --model list (runtime.config.ModelRef), or [] for a lone model."""
+    from runtime.config import model_refs
+
+    try:
+        models = model_refs(build.model)
+    except ValueError as exc:
+        raise BuildError(f"--model={build.model!r}: {exc}") from None
+    if len(models) == 1 and models[0].name is None:
+        return []
+    if any(m.ref is None for m in models):
+        raise BuildError("--model: the embedded model is baked into the image already; name a source for each")
+    return list(models)
+
+
 def build_weights(build: Build) -> None:
-    """The loading-optimised layout of the model's weights at build.out."""
+    """The loading-optimised layout of the model's weights at build.out (of each model, at build.out/name)."""
     from runtime.weights.layout import write_layout
 
+    models = several_models(build)
+    if models:
+        _build_each_layout(build, models)
+        return
     build.manifest = write_layout(build.model, build.out, dtype=build.dtype, file_bytes=build.file_bytes,
                                   chunk_bytes=build.chunk_bytes, hash=build.hash, progress=build.progress)
     log.info("layout written to %s: %.2f GiB in %d files, source %s", build.out,
              build.manifest.total_bytes / GiB, len(build.manifest.files), build.manifest.content_hash)
 
 
+def _build_each_layout(build: Build, models: list) -> None:
+    """Every model's layout in a temporary directory beside --out, renamed to --out once all are written."""
+    import shutil
+
+    from runtime.weights.layout import write_layout
+    from runtime.weights.temps import temp_beside
+
+    if build.out.startswith("s3://"):
+        raise BuildError("several models need a local --out (each model's layout goes to --out/name)")
+    final = Path(build.out)
+    if final.exists():
+        raise BuildError(f"--out {build.out!r} exists already")
+    temp = temp_beside(final)
+    temp.mkdir(parents=True)
+    try:
+        for model in models:
+            manifest = write_layout(model.ref, str(temp / model.name), dtype=build.dtype, file_bytes=build.file_bytes,
+                                    chunk_bytes=build.chunk_bytes, hash=build.hash, progress=build.progress)
+            log.info("layout of %s written: %.2f GiB in %d files, source %s", model.name,
+                     manifest.total_bytes / GiB, len(manifest.files), manifest.content_hash)
+        temp.rename(final)
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
+    served = ",".join(f"{m.name}={final.resolve() / m.name}" for m in models)
+    print(f"boot with MODEL={served}", file=sys.stderr)
+
+
 def build_snapshots(build: Build) -> None:
-    """The restore paths' snapshots (snapshots/bake.py), for a function that boots with MODEL=build.out."""
+    """The restore paths' snapshots (snapshots/bake.py), for a function that boots with MODEL=build.out (with
+    several models, each model's in --snapshot-dir/name, for MODEL=name=OUT/name,...)."""
     if build.snapshot_dir is None:
         return
-    from runtime.config import ConfigError, Settings
-    from snapshots.bake import bake_snapshots
+    from runtime.config import ConfigError, ModelRef, Settings
 
-    model_dir = Path(build.out).resolve()
+    models = several_models(build)
     try:
-        settings = Settings.from_env().replace(model=str(model_dir), snapshot_dir=build.snapshot_dir.resolve())
+        settings = Settings.from_env()
     except ConfigError as exc:
         raise BuildError(str(exc)) from None
-    results = bake_snapshots(settings, model_dir, build.snapshots)
+    if not models:
+        model_dir = Path(build.out).resolve()
+        _bake(build, settings.replace(model=str(model_dir), snapshot_dir=build.snapshot_dir.resolve()), model_dir)
+        return
+    failed = []
+    for model in models:
+        model_dir = (Path(build.out) / model.name).resolve()
+        print(f"{model.name}:", file=sys.stderr)
+        per_model = settings.for_model(ModelRef(model.name, str(model_dir))).replace(
+            snapshot_dir=(build.snapshot_dir / model.name).resolve())
+        try:
+            _bake(build, per_model, model_dir, several=True)
+        except BakeFailed as exc:
+            failed.append(f"{model.name}: {exc}")
+    if failed:
+        raise BakeFailed("; ".join(failed))
+
+
+def _bake(build: Build, settings, model_dir: Path, several: bool = False) -> None:
+    from snapshots.bake import SEVERAL_MODELS_KINDS, bake_snapshots
+
+    results = bake_snapshots(settings, model_dir, build.snapshots, SEVERAL_MODELS_KINDS if several else None)
     print("snapshots:", file=sys.stderr)
     for r in results:
         print(f"  {r.kind:<13} {r.status:<8} {r.seconds:7.1f} s  {r.detail}", file=sys.stderr)
     baked = [r.kind for r in results if r.status == "baked"]
-    if baked and build.time_restores:
+    if baked and build.time_restores and not several:
         _time_restores(build, settings, model_dir, baked)
     failed = [r.kind for r in results if r.status == "failed"]
     if failed:

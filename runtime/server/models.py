@@ -46,6 +46,7 @@ class StartedModels:
     skipped: dict[str, str] = field(default_factory=dict)
     #: the activations the start made (device, its report), counted in the metrics like any load
     started: list[tuple[str, "SwitchReport"]] = field(default_factory=list)
+    restore_order: dict[str, Any] = field(default_factory=dict)  # a several-model start tries no restore path
 
 
 class _SlotGate:

@@ -76,7 +76,12 @@ class Server:
                 return
             self.early.append(Probe("/health", r.status_code, r.json()))
             if len(self.early) == 1:  # while starting, the API answers too: with a 503 error object
-                m = httpx.get(f"{self.url}/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=2)
+                try:
+                    m = httpx.get(f"{self.url}/v1/models", headers={"Authorization": f"Bearer {API_KEY}"},
+                                  timeout=2)
+                except httpx.TransportError:  # a start that keeps the CPU busy: asked again on the next round
+                    self.early.pop()
+                    continue
                 self.early.append(Probe("/v1/models", m.status_code, m.json()))
             time.sleep(0.05)
         raise TimeoutError(f"server not ready after {timeout} s:\n{self.log()}")

@@ -4,6 +4,9 @@ cannot hold them all, eviction and reload leave the outputs unchanged."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -11,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import API_KEY, start_server
+from tests.server.conftest import API_KEY, REPO, server_env, start_server
 from tests.server.test_openai_api import metrics
 from tests.test_engine import hf_greedy
 
@@ -195,3 +198,47 @@ def test_placement_over_two_simulated_devices(tmp_path_factory, model_dirs, expe
         assert http_get(srv, "/health")["placement"] == policy
     finally:
         srv.stop()
+
+
+def faas_build(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "snapshots.build", *args], cwd=REPO,
+                          env=server_env(MAX_MODEL_LEN="256", MAX_NUM_SEQS="4"), capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_faas_build_bakes_every_model_and_the_instance_serves_the_layouts(tmp_path, model_dirs, expected):
+    out, snapshots = tmp_path / "baked" / "models", tmp_path / "baked" / "snapshots"
+    two = {"llama": model_dirs["tiny-llama"], "qwen3": model_dirs["tiny-qwen3"]}
+    r = faas_build("--model", model_list(two), "--out", str(out), "--snapshot-dir", str(snapshots), "--dtype",
+                   "float32", "--chunk-mb", "0.125", "--quiet")
+    assert r.returncode == 0, r.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["llama", "qwen3"]
+    assert all((out / name / "manifest.json").is_file() for name in two)
+    for name in two:  # each model's snapshots were considered: none can be baked for it on this machine
+        section = r.stderr[r.stderr.index(f"{name}:"):]
+        assert "materialized  skipped" in section and "needs a GPU" in section
+        assert "process       skipped" in section and "several-model instance starts no CRIU" in section
+    served = f"llama={out / 'llama'},qwen3={out / 'qwen3'}"
+    assert f"boot with MODEL={served}" in r.stderr
+    srv = start_server(tmp_path, "baked", MODEL=served, SNAPSHOT_DIR=str(snapshots), API_KEY=API_KEY,
+                       MAX_MODEL_LEN="256", MAX_NUM_SEQS="4", POOL_MEMORY_GB="1")
+    try:
+        srv.wait_ready()
+        assert complete(srv, "qwen3", PROMPTS[1]) == expected[("tiny-qwen3", 1)]
+        assert complete(srv, "llama", PROMPTS[2]) == expected[("tiny-llama", 2)]
+        health = http_get(srv, "/health")
+        assert health["restore_path"] == "cold" and "no materialized snapshot" in health["skipped"]["materialized"]
+        pool = health["pools"]["cpu"]["models"]
+        manifest = json.loads((out / "qwen3" / "manifest.json").read_text())
+        assert pool["qwen3"]["total_bytes"] == sum(f["size"] for f in manifest["files"])
+    finally:
+        srv.stop()
+
+
+def test_faas_build_refuses_a_malformed_list_and_leaves_nothing(tmp_path, model_dirs):
+    out = tmp_path / "models"
+    r = faas_build("--model", f"a={model_dirs['tiny-llama']},a={model_dirs['tiny-qwen2']}", "--out", str(out))
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("faas-build: --model=")
+    assert "model name 'a' must appear once" in r.stderr and not out.exists()
+    r = faas_build("--model", f"a={model_dirs['tiny-llama']},b=/no/such/model", "--out", str(out), "--quiet")
+    assert r.returncode == 2 and not out.exists() and not list(tmp_path.iterdir())

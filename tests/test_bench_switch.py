@@ -1,0 +1,70 @@
+"""faas-bench switch on CPU: tiny random models of a real config in one instance, run as a user runs it (a
+child process, real servers). Structure and what each number must satisfy are asserted, never speed."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from runtime.bench.multi_trace import zipf_models
+from runtime.bench.switch import classify, probe_targets
+from runtime.bench.switch_models import BenchModel, parse_shapes
+from tests.test_bench import PNG_MAGIC, faas_bench
+
+
+def model(name: str, shape: str, nbytes: int) -> BenchModel:
+    return BenchModel(name, shape, 0, Path("/hf"), Path("/layout"), nbytes)
+
+
+def test_shapes_zipf_and_targets():
+    assert parse_shapes("qwen2-1.5b:4,llama-3-8b") == [("qwen2-1.5b", 4), ("llama-3-8b", 1)]
+    with pytest.raises(ValueError, match="unknown shape 'gpt-5'"):
+        parse_shapes("gpt-5:2")
+    models = [model("q0", "q", 3), model("q1", "q", 3), model("l0", "l", 16), model("l1", "l", 16)]
+    picks = Counter(m.name for m in zipf_models(models, 4000, 1.0, seed=0))
+    assert picks["q0"] > picks["q1"] > picks["l0"] > picks["l1"] > 0  # weights 1, 1/2, 1/3, 1/4
+    assert abs(picks["q0"] / picks["q1"] - 2) < 0.3
+    assert zipf_models(models, 50, 1.0, seed=3) == zipf_models(models, 50, 1.0, seed=3)
+    targets = [(b.name, a.name, [o.name for o in others]) for b, a, others in probe_targets(models)]
+    assert targets == [("q0", "q1", ["l0", "l1"]), ("l0", "q0", ["l1", "q1"])]
+    assert [classify(f) for f in (1.0, 0.5, 0.0)] == ["retained", "partial", "evicted"]
+
+
+def test_bad_shapes_stop_the_bench_with_one_line(tmp_path):
+    done = faas_bench("switch", "--shapes", "gpt-5:2", "--out", str(tmp_path), timeout=60)
+    assert done.returncode == 2 and "unknown shape 'gpt-5'" in done.stderr
+
+
+def test_switch_smoke_on_cpu(tmp_path):
+    out = tmp_path / "out"
+    done = faas_bench("switch", "--device", "cpu", "--shapes", "tiny:3", "--models-dir", str(tmp_path / "models"),
+                      "--chunk-mb", "1", "--rates", "4", "--duration", "2", "--length-scale", "0.02", "--max-len",
+                      "128", "--idle-timeout", "2", "--timeout", "180", "--out", str(out), timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    latency = json.loads((out / "switch-latency.json").read_text())
+    assert [m["name"] for m in latency["models"]] == ["tiny-0", "tiny-1", "tiny-2"]
+    assert len({m["seed"] for m in latency["models"]}) == 3
+    probes = latency["probes"]
+    assert [p["state"] for p in probes] == ["retained", "partial", "evicted"]
+    measured = [p for p in probes if p["status"] == "ok"]
+    assert measured and all(p["reason"] for p in probes if p["status"] == "skipped")
+    for p in measured:
+        assert p["model"] == "tiny-0" and p["previous"] == "tiny-1" and p["ttft_s"] > 0
+        assert (p["retained_fraction"] == 1.0) == (p["state"] == "retained")
+        assert (p["bytes_loaded"] > 0) == (p["state"] != "retained")
+    fresh = latency["fresh"]
+    assert fresh["tiny-0:cold"]["status"] == "ok" and fresh["tiny-0:transformers"]["status"] == "ok"
+    trace = json.loads((out / "multi-model-trace.json").read_text())
+    points = {p["system"]: p for p in trace["points"]}
+    assert list(points) == ["pool", "lru", "per-model"]
+    for p in points.values():
+        assert p["status"] == "ok" and p["completed"] == p["requests"] > 0
+        assert p["ttft_p50_s"] <= p["ttft_p99_s"] and p["bytes_streamed"] > 0
+    assert points["per-model"]["switches"] >= 1  # instance starts
+    assert (out / "switch.png").read_bytes().startswith(PNG_MAGIC)
+    table = (out / "switch.md").read_text()
+    assert "| B | state |" in table and "| pool | 4 |" in table and "| per-model | 4 |" in table
+    assert "trace pool at 4/s:" in done.stderr  # progress
