@@ -16,12 +16,12 @@ from runtime import timeline as stages
 from runtime.server.engine_view import EngineView
 from runtime.server.errors import APIError, not_ready
 from runtime.server.metrics import ServerMetrics
-from runtime.server.models import ModelView, ServedModels, StartedModels
 from runtime.start_paths import RESTORE_PATHS
 from runtime.timeline import Timeline
 
 if TYPE_CHECKING:  # the engine module imports torch; the server must not need it to start listening
     from runtime.engine import Engine
+    from runtime.server.models import ModelView, ServedModels, StartedModels
 
 Phase = Literal["starting", "ready", "draining", "failed"]
 
@@ -47,7 +47,7 @@ class AppState:
     phase: Phase = "starting"
     engine: EngineView | None = None
     #: several models: their views and the devices' slots, once started
-    models: ServedModels | None = None
+    models: "ServedModels | None" = None
     #: which start path produced the engine, and why each faster one was not taken
     restore_path: str | None = None
     skipped: dict[str, str] = field(default_factory=dict)
@@ -60,10 +60,12 @@ class AppState:
         self.metrics = ServerMetrics(self)
 
     # Called on the event loop's thread: the state is read by request handlers without locks.
-    def mark_ready(self, started: StartedEngine | StartedModels) -> None:
+    def mark_ready(self, started: "StartedEngine | StartedModels") -> None:
         if started.restore_path not in RESTORE_PATHS:
             raise ValueError(f"unknown restore path {started.restore_path!r}")
-        if isinstance(started, StartedModels):
+        if not isinstance(started, StartedEngine):  # several models: their modules are imported only then
+            from runtime.server.models import ServedModels
+
             self.models = ServedModels(started, self.metrics, self.timeline)
             self.model_names = self.models.names
         else:
@@ -102,7 +104,7 @@ class AppState:
         """Every model name clients may use."""
         return list(self.model_names) if self.model_names else [n for n in [self.model_name] if n]
 
-    def require_engine(self, model: Any = None) -> EngineView | ModelView:
+    def require_engine(self, model: Any = None) -> "EngineView | ModelView":
         """The engine that serves a request naming `model`. With one model the name is checked where the
         request is parsed (handlers/openai_protocol.py), as it always was; with several it picks the model
         (400 when missing, 404 when unknown)."""

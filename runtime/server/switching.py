@@ -47,7 +47,8 @@ class DeviceSlot:
         self._timeline = timeline
         self._turn = asyncio.Lock()  # FIFO: switches in arrival order
         self._in_flight: Counter[str] = Counter()
-        self._released: asyncio.Event | None = None
+        self._released: asyncio.Event | None = None  # set by the next release, for a switch short of room
+        self._releases = 0
         self._queued_bytes = 0       # missing bytes of the switches waiting their turn
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"switch-{device}")
         self.load_rate = float(INITIAL_LOAD_RATE.get(device.split(":")[0], INITIAL_LOAD_RATE["cpu"]))
@@ -80,6 +81,7 @@ class DeviceSlot:
         if self._in_flight[model] == 0:
             del self._in_flight[model]
             self._executor.submit(self.pool.release, model)
+            self._releases += 1
             if self._released is not None:  # a waiting switch retries, on the same thread, after the release
                 self._released.set()
 
@@ -87,6 +89,7 @@ class DeviceSlot:
         loop = asyncio.get_running_loop()
         while True:
             hold = _Hold(model) if not self._in_flight[model] else None  # held from its first request in flight
+            releases = self._releases
             started = time.time()
             work = loop.run_in_executor(self._executor, self._activate, model, hold)
             try:
@@ -100,9 +103,9 @@ class DeviceSlot:
                     raise APIError(503, f"model `{model}` cannot be made resident on {self.device}: {exc}",
                                    code="model_unavailable", type="server_error") from None
                 # room is held by other models' requests: the next one to finish may free it
-                self._released = self._released or asyncio.Event()
-                self._released.clear()
-                await self._released.wait()
+                if self._releases == releases:
+                    self._released = asyncio.Event()
+                    await self._released.wait()
                 continue
             self._switched(model, report, started, time.time())
             return
