@@ -99,7 +99,7 @@ def _gpu_memory_bytes() -> int | None:
 async def _switch_latency(args, base: dict[str, str], models: list[BenchModel], prompts: PromptMaker,
                           settings: dict[str, str], log_dir: Path) -> tuple[list[SwitchProbe], dict[str, ModeResult]]:
     probes: list[SwitchProbe] = []
-    prompt = prompts.prompt(args.prompt_tokens)
+    prompt = prompts.prompt(min(args.prompt_tokens, args.max_len // 2))  # B's one token must fit the context
     async with httpx.AsyncClient() as client:
         instance = Instance.spawn("cold", base, log_dir / "switch-instance.log")
         try:
@@ -116,7 +116,7 @@ async def _switch_latency(args, base: dict[str, str], models: list[BenchModel], 
         log.info("switch: a fresh instance of %s and transformers", b.name)
         plan = ColdStartPlan(model=str(b.layout_dir), modes=tuple(args.fresh_modes) + (BASELINE_MODE,), repeat=1,
                              page_cache="warm", settings={**settings, "MODEL": str(b.layout_dir)},
-                             log_dir=log_dir / f"fresh-{b.name}", prompt_tokens=args.prompt_tokens, max_tokens=1,
+                             log_dir=log_dir / f"fresh-{b.name}", prompt_tokens=len(prompt), max_tokens=1,
                              timeout_s=args.timeout, baseline_model=str(b.hf_dir))
         for result in await run_coldstart(plan):
             fresh[f"{b.name}:{result.mode}"] = result

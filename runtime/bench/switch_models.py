@@ -2,8 +2,8 @@
 its own seed so that no two share a byte, as a Hugging Face directory (what transformers loads) and a
 faas-build layout (what the instance serves: its chunks are the groups the pool retains or evicts).
 
-Made once in a models folder and reused. Each is made in a child process (`python -m
-runtime.bench.switch_models DIR SHAPE SEED CHUNK_BYTES`), so the bench never holds GPU memory itself.
+Made once in a models folder and reused. The missing ones are made in one child process (`python -m
+runtime.bench.switch_models JOBS_JSON`), so the bench never holds GPU memory itself.
 """
 
 from __future__ import annotations
@@ -46,36 +46,41 @@ def parse_shapes(text: str) -> list[tuple[str, int]]:
 
 
 def make_models(shapes: list[tuple[str, int]], models_dir: Path, chunk_bytes: int, log_dir: Path) -> list[BenchModel]:
-    models, seed = [], 0
+    planned, seed = [], 0
     for shape, count in shapes:
         for i in range(count):
             base = models_dir / f"{shape}-seed{seed}"
-            layout = Path(f"{base}-layout")
-            if not (layout / "manifest.json").is_file():
-                _make_one(base, layout, shape, seed, chunk_bytes, log_dir / f"make-{shape}-seed{seed}.log")
-            nbytes = sum(f["size"] for f in json.loads((layout / "manifest.json").read_text())["files"])
-            models.append(BenchModel(f"{shape}-{i}", shape, seed, base, layout, nbytes))
+            planned.append((f"{shape}-{i}", shape, seed, base, Path(f"{base}-layout")))
             seed += 1
-    return models
+    missing = [{"hf_dir": str(base), "layout": str(layout), "shape": shape, "seed": seed, "chunk_bytes": chunk_bytes}
+               for _, shape, seed, base, layout in planned if not (layout / "manifest.json").is_file()]
+    if missing:
+        _make(missing, log_dir / "make-models.log")
+    return [BenchModel(name, shape, seed, base, layout, _layout_bytes(layout))
+            for name, shape, seed, base, layout in planned]
 
 
-def _make_one(hf_dir: Path, layout: Path, shape: str, seed: int, chunk_bytes: int, log_path: Path) -> None:
+def _layout_bytes(layout: Path) -> int:
+    return sum(f["size"] for f in json.loads((layout / "manifest.json").read_text())["files"])
+
+
+def _make(jobs: list[dict], log_path: Path) -> None:
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as log:
-        done = subprocess.run([sys.executable, "-m", "runtime.bench.switch_models", str(hf_dir), str(layout), shape,
-                               str(seed), str(chunk_bytes)], cwd=SOURCE_ROOT, env=child_environment({}, 0.0),
-                              stdout=log, stderr=subprocess.STDOUT)
+        done = subprocess.run([sys.executable, "-m", "runtime.bench.switch_models", json.dumps(jobs)],
+                              cwd=SOURCE_ROOT, env=child_environment({}, 0.0), stdout=log, stderr=subprocess.STDOUT)
     if done.returncode != 0:
-        raise BenchError(f"making the {shape} model with seed {seed} failed (log: {log_path})")
+        raise BenchError(f"making the models failed (log: {log_path})")
 
 
-def _main(hf_dir: str, layout: str, shape: str, seed: str, chunk_bytes: str) -> None:
+def _main(jobs: str) -> None:
     from runtime.weights.layout import write_layout
     from scripts.model_shapes import make_random_model_dir
 
-    make_random_model_dir(Path(hf_dir), shape, int(seed))
-    write_layout(hf_dir, layout, dtype="bfloat16", chunk_bytes=int(chunk_bytes), progress=False)
+    for job in json.loads(jobs):
+        make_random_model_dir(Path(job["hf_dir"]), job["shape"], job["seed"])
+        write_layout(job["hf_dir"], job["layout"], dtype="bfloat16", chunk_bytes=job["chunk_bytes"], progress=False)
 
 
 if __name__ == "__main__":
-    _main(*sys.argv[1:])
+    _main(sys.argv[1])
