@@ -1,6 +1,7 @@
 """The pool on a GPU: groups mapped and unmapped through CUDA VMM at fixed addresses, the decode CUDA graphs
 still right after their model's weights and KV cache were given back and streamed in again, and what each
-switch took (printed: run with -s)."""
+switch took, with the first activation's graphs captured beside the weight stream or after it (printed: run
+with -s)."""
 
 import json
 import shutil
@@ -76,7 +77,8 @@ def test_mapped_range_gives_memory_back_and_keeps_addresses():
     r.close()
 
 
-def test_switches_keep_graphs_right_and_stream_only_missing_groups(layouts):
+@pytest.mark.parametrize("proactive", [True, False], ids=["kernels-beside-stream", "kernels-after-stream"])
+def test_switches_keep_graphs_right_and_stream_only_missing_groups(layouts, proactive):
     alone = {}
     for name, layout in layouts.items():
         engine = build(layout)
@@ -91,7 +93,7 @@ def test_switches_keep_graphs_right_and_stream_only_missing_groups(layouts):
     headroom = activation_bytes(probe.engine("a"))
     # two models and half the third's weights, beside torch's own memory
     budget = needs["a"] + needs["b"] + weights // 2 + headroom + torch.cuda.memory_reserved()
-    pool = ModelPool(torch.device("cuda"), budget)
+    pool = ModelPool(torch.device("cuda"), budget, proactive_kernels=proactive)
     for name, layout in layouts.items():
         pool.add(name, build(layout))
     reports = []
