@@ -16,6 +16,7 @@ from typing import Any, Iterator
 
 RUNTIME_INIT = "runtime_init"
 RESTORE = "restore"
+SNAPSHOT_VERIFY = "snapshot_verify"  # a snapshot's files checked against their baked digests
 MODEL_SOURCE = "model_source"  # finding the model: a GGUF import on first use, an S3 layout's manifest
 TOKENIZER = "tokenizer"
 MODEL_STRUCTURE = "model_structure"
@@ -30,8 +31,8 @@ FIRST_TOKEN = "first_token"
 MODEL_SWITCH = "model_switch"  # several models: the latest switch of a device to another model (runtime/pool)
 
 #: the order stages are printed and drawn in
-STAGE_ORDER = (RUNTIME_INIT, RESTORE, MODEL_SOURCE, TOKENIZER, MODEL_STRUCTURE, KERNEL_PREP, CUDA_INIT, WEIGHTS,
-               KV_CACHE, CUDA_GRAPHS, READY, GRAPHS_AFTER_READY, MODEL_SWITCH, FIRST_TOKEN)
+STAGE_ORDER = (RUNTIME_INIT, RESTORE, SNAPSHOT_VERIFY, MODEL_SOURCE, TOKENIZER, MODEL_STRUCTURE, KERNEL_PREP,
+               CUDA_INIT, WEIGHTS, KV_CACHE, CUDA_GRAPHS, READY, GRAPHS_AFTER_READY, MODEL_SWITCH, FIRST_TOKEN)
 
 
 @dataclass

@@ -117,12 +117,16 @@ def restore(criu: Criu, directory: Path, extra: list[str] = ()) -> tuple[int, fl
 
 
 def hand_over(pid: int, snapshot_id: str, message: handoff.Handoff, timeout: float,
-              before: Callable[[int], None] | None = None, channel: socket.socket | None = None) -> None:
-    """Give the restored process its instance (after `before(pid)`, e.g. the CUDA restore; with CHANNEL,
-    the weights' socket). On any failure the restored tree is killed before the error is raised."""
+              before: Callable[[int], None] | None = None, channel: socket.socket | None = None,
+              check: Callable[[], None] | None = None) -> None:
+    """Give the restored process its instance (after `before(pid)`, e.g. the CUDA restore, and `check()`,
+    the image's verdict; with CHANNEL, the weights' socket). On any failure the restored tree is killed
+    before the error is raised: a restored process that did not get its instance never serves."""
     try:
         if before is not None:
             before(pid)
+        if check is not None:
+            check()
         handoff.send(snapshot_id, message, timeout, channel)
     except BaseException:
         kill_tree(pid)

@@ -39,6 +39,7 @@ class Handoff:
     verify: bool = False  # faas-build's check that the image restores: take over, answer, exit 0
     restore_detail: dict[str, float] = field(default_factory=dict)  # seconds of CRIU's and CUDA's parts
     weights_channel: bool = False  # a third descriptor: the helper's weights (see above)
+    verify_span: list[float] = field(default_factory=list)  # [start, end, bytes] of the image files' check
 
 
 def socket_name(snapshot_id: str) -> str:

@@ -1,6 +1,7 @@
 """A CRIU snapshot on disk (`<SNAPSHOT_DIR>/process/` or `<SNAPSHOT_DIR>/gpu/`): the CRIU image files in
-images/ and manifest.json, which says what it is (kind, fingerprint, the handoff socket's id) and lists every
-image file with its size, so that a truncated or missing file is caught before CRIU is run."""
+images/ and manifest.json, written last, which says what it is (kind, fingerprint, the handoff socket's id)
+and lists every image file with its size (a truncated or missing file is caught before CRIU is run) and its
+digest (checked beside the restore, before the hand-over: snapshots/integrity.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from snapshots.fingerprint import Fingerprint
+from snapshots.integrity import Verification
 
 MANIFEST = "manifest.json"
 IMAGES = "images"
@@ -31,6 +33,8 @@ class SnapshotImage:
     timings: dict[str, float] = field(default_factory=dict)
     pid_namespace: bool = True  # restored as the init of a new pid namespace (needs CAP_SYS_ADMIN)
     weights_left_out: bool = False  # gpu: the weights' memory was released before the checkpoint
+    hash: str = ""  # of the image files' digests
+    digests: dict[str, str] = field(default_factory=dict)  # image file -> digest, taken after the dump
 
     @property
     def size_bytes(self) -> int:
@@ -59,6 +63,13 @@ class SnapshotImage:
                 raise ImageError(f"image file {name} is missing")
             if path.stat().st_size != size:
                 raise ImageError(f"image file {name} is {path.stat().st_size} bytes, baked {size}")
+        if set(self.digests) != set(self.files):
+            raise ImageError("the snapshot has no digests of its image files (baked by an older faas-build): "
+                             "bake it again")
+
+    def start_verify(self, directory: Path) -> Verification:
+        """Hash every image file against its baked digest, on threads; `wait()` on the result for the verdict."""
+        return Verification.start(directory / IMAGES, self.digests, self.hash, f"{self.kind} snapshot image file")
 
 
 def list_image_files(directory: Path) -> dict[str, int]:

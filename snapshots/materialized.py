@@ -5,8 +5,9 @@ included), capture and describe the graphs, replay each on fixed inputs, then ha
 from the description and replay the restored graphs on the same inputs. Only if every graph's output is
 bit-identical is the directory renamed into place; otherwise nothing is written and the reasons are returned.
 
-Layout of `<snapshot dir>/materialized/`: kvprofile.json, engine.json (what was baked), graphs.json,
-params.bin, segment-*.bin.
+Layout of `<snapshot dir>/materialized/`: kvprofile.json, engine.json (what was baked), fingerprint.json,
+graphs.json, params.bin, segment-*.bin, and digests.json, written last: every other file's digest, checked
+before the state is used (snapshots/integrity.py).
 """
 
 from __future__ import annotations
@@ -30,6 +31,15 @@ log = get_logger("snapshots.materialized")
 DIRNAME = "materialized"
 #: the Fingerprint (snapshots/fingerprint.py) it was baked against; the restore paths check it
 FINGERPRINT = "fingerprint.json"
+#: {"hash": ..., "files": {name: digest}} of every other file, written last
+DIGESTS = "digests.json"
+
+
+def write_digests(directory: Path) -> None:
+    from snapshots.integrity import HASH, digest_files
+
+    names = sorted(p.name for p in directory.iterdir() if p.is_file() and p.name != DIGESTS)
+    (directory / DIGESTS).write_text(json.dumps({"hash": HASH, "files": digest_files(directory, names)}, indent=1))
 
 
 class MaterializeError(RuntimeError):
@@ -79,6 +89,7 @@ def bake_materialized(model_dir: Path, config: EngineConfig, snapshot_dir: Path,
         if fingerprint is not None:
             (tmp / FINGERPRINT).write_text(json.dumps(fingerprint, indent=1))
         (tmp / "engine.json").write_text(json.dumps({"model_dir": str(model_dir), "config": asdict(config)}))
+        write_digests(tmp)
         del runner  # the last reference besides the engine's: shutdown can then hand the memory back
         engine.shutdown()
         restored = _validate_in_new_process(tmp)

@@ -22,7 +22,8 @@ from snapshots import checkpoint, handoff
 from snapshots.checkpoint import SnapshotError
 from snapshots.criu import Criu, find_criu, restore_blockers
 from snapshots.fingerprint import current_fingerprint, resolved_device
-from snapshots.image import SnapshotImage, list_image_files
+from snapshots.image import IMAGES, SnapshotImage, list_image_files
+from snapshots.integrity import HASH, Verification, digest_files
 
 if TYPE_CHECKING:
     from snapshots.cuda_checkpoint import RestoreHelper
@@ -80,11 +81,16 @@ def bake_snapshot(kind: str, settings: Settings, model_dir: Path, snapshot_dir: 
         if hooks.before_dump is not None:
             hooks.before_dump(frozen.pid)
         dump_s = checkpoint.dump(criu, frozen, tmp, hooks.criu_options)
+        files = list_image_files(tmp)
+        digested = time.time()
+        digests = digest_files(tmp / IMAGES, sorted(files))
         image = SnapshotImage(kind=kind, snapshot_id=frozen.snapshot_id,
                               fingerprint=current_fingerprint(settings, criu.version), model_dir=str(model_dir),
-                              files=list_image_files(tmp), baked_at=time.time(), dump_s=round(dump_s, 3),
-                              verify_restore_s=0.0, timings={"build_s": round(build_s, 3)},
-                              pid_namespace=pid_namespace, weights_left_out=weights_left_out)
+                              files=files, baked_at=time.time(), dump_s=round(dump_s, 3),
+                              verify_restore_s=0.0, timings={"build_s": round(build_s, 3),
+                                                             "digest_s": round(time.time() - digested, 3)},
+                              pid_namespace=pid_namespace, weights_left_out=weights_left_out, hash=HASH,
+                              digests=digests)
         log.info("%s snapshot: dumped %.0f MB in %.2f s; checking that it restores", kind,
                  image.size_bytes / 1e6, dump_s)
         image.verify_restore_s = round(verify_restores(criu, tmp, image, hooks), 3)
@@ -114,15 +120,22 @@ def verify_restores(criu: Criu, directory: Path, image: SnapshotImage, hooks: Cr
 
 
 def thaw(criu: Criu, directory: Path, image: SnapshotImage, message: handoff.Handoff,
-         hooks: CriuHooks) -> tuple[int, float]:
+         hooks: CriuHooks, verification: Verification | None = None) -> tuple[int, float]:
     """Restore and hand over; returns the running process's pid (our child) and the restore's seconds.
-    Raises SnapshotError or HandoffError with nothing left running."""
+    VERIFICATION (the image files' digests, being checked since before the restore) must pass before the
+    restored process gets its instance. Raises SnapshotError, HandoffError or DigestMismatch with nothing
+    left running."""
     helper = None
     if hooks.start_restore_helper is not None:
         helper = hooks.start_restore_helper(image, not message.verify)
     handed_over = False
     try:
-        pid, restore_s = checkpoint.restore(criu, directory, hooks.criu_options)
+        try:
+            pid, restore_s = checkpoint.restore(criu, directory, hooks.criu_options)
+        except SnapshotError:
+            if verification is not None:  # a damaged image is the reason CRIU failed, if it is damaged
+                verification.wait()
+            raise
         log.info("%s snapshot: CRIU restored pid %d in %.3f s", image.kind, pid, restore_s)
         message.restore_detail["criu_s"] = round(restore_s, 4)
 
@@ -133,8 +146,13 @@ def thaw(criu: Criu, directory: Path, image: SnapshotImage, message: handoff.Han
 
         channel = helper.channel if helper is not None else None
         message.weights_channel = channel is not None
+        def verified() -> None:
+            verification.wait()
+            message.verify_span = verification.span()
+
         checkpoint.hand_over(pid, image.snapshot_id, message, HANDOFF_TIMEOUT_S,
-                             after_restore if helper is not None else None, channel)
+                             after_restore if helper is not None else None, channel,
+                             verified if verification is not None else None)
         handed_over = True
     finally:
         if helper is not None:

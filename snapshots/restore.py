@@ -30,6 +30,7 @@ from snapshots import thawed
 from snapshots.criu import Criu, find_criu, restore_blockers
 from snapshots.fingerprint import Fingerprint, current_fingerprint, mismatch
 from snapshots.image import ImageError, SnapshotImage
+from snapshots.integrity import DigestMismatch, Verification
 
 if TYPE_CHECKING:
     from runtime.engine import Engine
@@ -70,10 +71,19 @@ def take_over(settings: Settings, argv: list[str]) -> int | None:
         except Exception as exc:  # a snapshot damaged in a way nobody foresaw
             _skipped[kind] = f"unusable: {type(exc).__name__}: {exc}"
             continue
+        directory = settings.snapshot_dir / kind
+        # the image files are hashed on threads while CRIU restores; the verdict comes before the hand-over
+        verification = image.start_verify(directory)
         try:
             from snapshots.process import boot_handoff, thaw
 
-            pid, _ = thaw(criu, settings.snapshot_dir / kind, image, boot_handoff(kind, argv, _skipped), hooks)
+            pid, _ = thaw(criu, directory, image, boot_handoff(kind, argv, _skipped), hooks, verification)
+        except DigestMismatch as exc:  # undone by thaw, like any failure; the reason is the file
+            log.warning("restore path %s refused, starting fresh: %s", kind, exc)
+            _skipped[kind] = str(exc)
+            for later in CRIU_PATHS[CRIU_PATHS.index(kind) + 1:]:
+                _skipped.setdefault(later, f"not tried after the {kind} restore failed")
+            return None
         except Exception as exc:  # undone by thaw; start fresh, once
             log.warning("restore path %s failed, starting fresh: %s", kind, exc)
             _skipped[kind] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
@@ -124,7 +134,7 @@ def restore_gpu(settings: Settings, timeline: Timeline) -> "Engine":
 def restore_process(settings: Settings, timeline: Timeline) -> "Engine":
     engine = _restored_engine("process", timeline)
     try:
-        kv_blocks, graphs = materialized_state(settings)
+        kv_blocks, graphs = materialized_state(settings, timeline)
     except SkipPath as why:
         log.info("process path without materialized state: %s", why)
         kv_blocks, graphs = None, None
@@ -133,9 +143,11 @@ def restore_process(settings: Settings, timeline: Timeline) -> "Engine":
 
 
 def restore_materialized(settings: Settings, timeline: Timeline, build: Callable[[], "Engine"]) -> "Engine":
-    """A fresh engine (BUILD: the cold path's CPU phase) started with the baked KV size and graphs."""
-    kv_blocks, graphs = materialized_state(settings)
+    """A fresh engine (BUILD: the cold path's CPU phase) started with the baked KV size and graphs. The
+    snapshot's files are checked on threads while the engine is built, and used only if they pass."""
+    verification = _start_verify(_materialized_dir(settings))
     engine = build()
+    kv_blocks, graphs = materialized_state(settings, timeline, verification)
     engine.start(kv_blocks=kv_blocks, graph_restorer=graphs)
     return engine
 
@@ -164,13 +176,41 @@ def _materialized_dir(settings: Settings) -> Path:
     return directory
 
 
-def materialized_state(settings: Settings) -> tuple[int, "MaterializedGraphs"]:
-    """(KV blocks, graph restorer) from `<SNAPSHOT_DIR>/materialized`, if it is there and fits."""
+def materialized_state(settings: Settings, timeline: Timeline,
+                       verification: Verification | None = None) -> tuple[int, "MaterializedGraphs"]:
+    """(KV blocks, graph restorer) from `<SNAPSHOT_DIR>/materialized`, if it is there, fits and every file
+    matches its baked digest (VERIFICATION: that check, started earlier)."""
     directory = _materialized_dir(settings)
+    verification = verification or _start_verify(directory)
+    try:
+        verification.wait()
+    except DigestMismatch as why:
+        raise SkipPath(str(why)) from None
+    finally:
+        timeline.record(stages.SNAPSHOT_VERIFY, verification.started, verification.ended or time.time(),
+                        snapshot="materialized", bytes=verification.bytes)
     from snapshots.cudagraph.restore import MaterializedGraphs
     from snapshots.materialized import load_kv_blocks
 
     return load_kv_blocks(directory), MaterializedGraphs(directory, settings.graphs_before_ready)
+
+
+def _start_verify(directory: Path) -> Verification:
+    from snapshots.materialized import DIGESTS
+
+    try:
+        baked = json.loads((directory / DIGESTS).read_text())
+        files, hash = dict(baked["files"]), str(baked["hash"])
+    except FileNotFoundError:
+        raise SkipPath("the materialized snapshot has no digests of its files (baked by an older faas-build): "
+                       "bake it again") from None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise SkipPath(f"unreadable {directory / DIGESTS}: {exc}") from None
+    unlisted = sorted(p.name for p in directory.iterdir() if p.is_file() and p.name not in files
+                      and p.name != DIGESTS)
+    if unlisted:
+        raise SkipPath(f"materialized snapshot file {unlisted[0]} was not baked (added after the bake)")
+    return Verification.start(directory, files, hash, "materialized snapshot file")
 
 
 def check_fingerprint(baked: Fingerprint, here: Fingerprint, kind: str) -> None:
@@ -187,6 +227,9 @@ def _restored_engine(kind: str, timeline: Timeline) -> "Engine":
         raise SkipPath(current.handoff.skipped.get(kind, f"the {current.kind} snapshot was restored"))
     timeline.record(stages.RESTORE, current.handoff.restore_started, current.taken_over_at, snapshot=kind,
                     **current.handoff.restore_detail)
+    if current.handoff.verify_span:  # the image files' check, beside the restore and before the hand-over
+        started, ended, nbytes = current.handoff.verify_span
+        timeline.record(stages.SNAPSHOT_VERIFY, started, ended, snapshot=kind, bytes=int(nbytes))
     current.engine.timeline = timeline
     return current.engine
 

@@ -11,7 +11,7 @@ import httpx
 from runtime.config import Settings
 from runtime.engine.model_runner import KVProfile
 from snapshots.fingerprint import current_fingerprint, gpu_identity
-from snapshots.materialized import DIRNAME, FINGERPRINT
+from snapshots.materialized import DIRNAME, FINGERPRINT, write_digests
 from tests.server.conftest import start_server
 
 ENV = {"DEVICE": "cpu", "MAX_MODEL_LEN": "2048", "MAX_NUM_SEQS": "16"}
@@ -24,6 +24,7 @@ def bake_materialized_kv(snapshot_dir, model, **fingerprint_changes) -> None:
     (directory / "kvprofile.json").write_text(json.dumps(KVProfile(BAKED_BLOCKS, 4096, 0, 0, 0).as_dict()))
     fingerprint = current_fingerprint(Settings.from_env({"MODEL": str(model), **ENV})).as_dict()
     (directory / FINGERPRINT).write_text(json.dumps(fingerprint | fingerprint_changes))
+    write_digests(directory)
 
 
 def boot(tmp_path, model, snapshot_dir) -> dict:
@@ -40,7 +41,21 @@ def test_materialized_kv_size_is_restored(tiny_model_dir, tmp_path):
     state = boot(tmp_path, tiny_model_dir, tmp_path / "snapshots")
     assert state["restore_path"] == "materialized"
     assert state["engine"]["kv_blocks_total"] == BAKED_BLOCKS
+    assert next(s for s in state["stages"] if s["stage"] == "snapshot_verify")["detail"]["snapshot"] == "materialized"
     assert state["skipped"]["process"] == f"no snapshot at {tmp_path / 'snapshots' / 'process'}"
+
+
+def test_a_materialized_file_changed_after_the_bake_is_not_used(tiny_model_dir, tmp_path):
+    bake_materialized_kv(tmp_path / "snapshots", tiny_model_dir)
+    profile = tmp_path / "snapshots" / DIRNAME / "kvprofile.json"
+    profile.write_text(profile.read_text().replace(str(BAKED_BLOCKS), str(BAKED_BLOCKS + 11)))  # same size
+    state = boot(tmp_path, tiny_model_dir, tmp_path / "snapshots")
+    assert state["restore_path"] == "cold" and state["engine"]["kv_blocks_total"] not in (BAKED_BLOCKS,
+                                                                                          BAKED_BLOCKS + 11)
+    assert state["skipped"]["materialized"] == (
+        "materialized snapshot file kvprofile.json does not match its xxh3-128 digest from the bake: the snapshot "
+        "was changed after it was baked")
+    assert "snapshot_verify" in state["timeline"]
 
 
 def test_materialized_state_of_another_gpu_is_not_used(tiny_model_dir, tmp_path):

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import httpx
+import xxhash
 import openai
 import pytest
 
@@ -61,6 +62,10 @@ def test_bake_writes_a_checked_image_with_its_fingerprint(process_snapshot, tiny
     assert image.fingerprint.torch and image.fingerprint.criu.startswith("4.")
     assert json.loads(image.fingerprint.engine_config)["max_model_len"] == 2048
     assert image.size_bytes > 10_000_000  # torch and the engine are in it
+    pages = max(image.files, key=image.files.get)
+    assert pages.startswith("pages-") and image.hash == "xxh3-128" and set(image.digests) == set(image.files)
+    assert image.digests[pages] == xxhash.xxh3_128(
+        (process_snapshot / "process" / IMAGES / pages).read_bytes()).hexdigest()
     assert [p.name for p in process_snapshot.iterdir()] == ["process"]  # no temporary left beside it
 
 
@@ -71,6 +76,9 @@ def test_restored_runtime_serves_like_a_cold_start(process_snapshot, tiny_model_
         assert state["restore_path"] == "process"
         assert state["skipped"] == {"gpu": f"no snapshot at {process_snapshot / 'gpu'}"}
         assert "restore" in state["timeline"] and 0 < state["timeline"]["restore"] < 5
+        verify = next(s for s in state["stages"] if s["stage"] == "snapshot_verify")  # its own stage
+        assert verify["detail"]["snapshot"] == "process" and verify["detail"]["bytes"] > 10_000_000
+        assert state["timeline"]["snapshot_verify"] <= state["timeline"]["restore"]  # beside the restore
         assert greedy_text(server) == cold_text
         # PORT and API_KEY are the ones it was restored with, not the baked ones
         baked_key = httpx.get(f"{server.url}/v1/models", timeout=5,
@@ -125,10 +133,48 @@ def test_corrupted_image_falls_back_to_cold_leaving_nothing_behind(snapshot_copy
     try:
         state = health(server)
         assert state["restore_path"] == "cold"
-        assert state["skipped"]["process"].startswith("failed: SnapshotError: criu restore exited")
-        assert "restore path process failed, starting fresh" in server.log()
+        # CRIU fails on the damaged image; the reason given is the damage, found by the digests meanwhile
+        assert state["skipped"]["process"].startswith("process snapshot image file core-")
+        assert "does not match its xxh3-128 digest" in state["skipped"]["process"]
+        assert "restore path process refused, starting fresh" in server.log()
         assert children_of(server.process.pid) == []  # no restored process left running
         assert greedy_text(server) == cold_text
+    finally:
+        server.stop()
+
+
+def test_a_same_size_edit_of_a_page_image_is_refused_and_falls_back(snapshot_copy, tiny_model_dir, cold_text,
+                                                                   tmp_path):
+    """Sizes match, CRIU would restore it: only the digests tell. Nothing of the edited image is served."""
+    pages = max((snapshot_copy / "process" / IMAGES).glob("pages-*.img"), key=lambda p: p.stat().st_size)
+    with open(pages, "r+b") as f:
+        f.seek(pages.stat().st_size // 2)
+        chunk = f.read(64)
+        f.seek(-64, 1)
+        f.write(bytes(b ^ 0x20 for b in chunk))
+    server = boot(tmp_path, tiny_model_dir, snapshot_copy)
+    try:
+        state = health(server)
+        assert state["restore_path"] == "cold"
+        assert state["skipped"]["process"] == (
+            f"process snapshot image file {pages.name} does not match its xxh3-128 digest from the bake: the "
+            "snapshot was changed after it was baked")
+        assert f"restore path process refused, starting fresh: process snapshot image file {pages.name}" in (
+            server.log())
+        assert children_of(server.process.pid) == []  # the restored process was killed before its hand-over
+        assert greedy_text(server) == cold_text
+    finally:
+        server.stop()
+
+
+def test_an_image_without_digests_is_not_restored(snapshot_copy, tiny_model_dir, tmp_path):
+    manifest = snapshot_copy / "process" / MANIFEST
+    data = json.loads(manifest.read_text())
+    data.pop("digests"), data.pop("hash")
+    manifest.write_text(json.dumps(data))
+    server = boot(tmp_path, tiny_model_dir, snapshot_copy)
+    try:
+        assert health(server)["skipped"]["process"].startswith("the snapshot has no digests of its image files")
     finally:
         server.stop()
 
