@@ -113,10 +113,10 @@ class BlockManager:
         done = len(seq.block_keys)
         if not self.prefix_caching or full <= done:
             return
-        tokens = _packed(seq.token_ids()[:full * self.block_size])
+        tokens = _packed(seq.tokens_between(done * self.block_size, full * self.block_size))
         key = seq.block_keys[-1] if done else None
         for i in range(done, full):
-            chunk = self._chunk(tokens, i)
+            chunk = self._chunk(tokens, i - done)
             key = _key(key, chunk)
             seq.block_keys.append(key)
             block = seq.block_table[i]

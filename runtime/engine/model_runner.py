@@ -249,7 +249,7 @@ class ModelRunner:
                 feeds.append((len(ids), pending.rows[seq]))
                 ids.append(0)
             else:
-                ids.extend([seq.last_token] if n == 1 and sample else seq.token_ids()[start:start + n])
+                ids.extend([seq.last_token] if n == 1 and sample else seq.tokens_between(start, start + n))
             positions.extend(range(start, start + n))
             slots.extend(blocks.slot(seq, p) for p in range(start, start + n))
             query_lens.append(n)
