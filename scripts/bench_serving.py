@@ -6,8 +6,9 @@ For each model shape (random weights of the real shape, the same in the engine a
 1. throughput: at each batch size, that many requests at once, prompt and output lengths drawn like
    ShareGPT's (runtime/bench/workload.py); output tokens/s of the engine and of transformers' batched
    `generate` (left-padded, every row generating the longest output; only the tokens the requests asked
-   for are counted), and the engine's median decode step against the HBM roofline (weight bytes / HBM
-   bandwidth: the least time a step can take reading every weight once; KV reads not counted);
+   for are counted; run before the engine starts, so that its KV cache has the memory), and the engine's
+   median decode step against the HBM roofline (weight bytes / HBM bandwidth: the least time a step can
+   take reading every weight once; KV reads not counted);
 2. prefix: a shared system prompt (2,000 tokens) with short questions, one request at a time: time to
    first token with prefix caching and without (the same engine, the cache switched off and emptied);
 3. mix: decode streams (32) run while long prompts (4,000 tokens) arrive one after another: inter-token
@@ -110,26 +111,39 @@ def hf_throughput(model, prompts: list[list[int]], outputs: list[int], device: s
             "generated_tok_s": n * len(prompts) / seconds}
 
 
-def bench_throughput(engine: Engine, hf, args, vocab: int, hbm: float | None) -> list[dict]:
-    rows = []
+def throughput_workloads(args, vocab: int) -> dict[int, tuple[list[list[int]], list[int]]]:
     rng = torch.Generator().manual_seed(1)
-    weight_bytes = engine.plan.total_bytes
+    workloads = {}
     for batch in args.batch:
         lengths = sharegpt_lengths(batch, args.max_len, seed=batch)
-        prompts = [random_tokens(p, rng, vocab) for p, _ in lengths]
-        outputs = [o for _, o in lengths]
+        workloads[batch] = [random_tokens(p, rng, vocab) for p, _ in lengths], [o for _, o in lengths]
+    return workloads
+
+
+def bench_hf_throughput(hf, workloads: dict, device: str) -> dict[int, dict]:
+    """Before the engine starts, so that transformers' KV cache has the GPU's memory to itself."""
+    hf.generate(torch.tensor([[11, 12, 13]], device=device), max_new_tokens=2, do_sample=False, pad_token_id=0)
+    rows = {}
+    for batch, (prompts, outputs) in workloads.items():
+        rows[batch] = hf_throughput(hf, prompts, outputs, device)
+        progress(f"  transformers batch {batch}: {rows[batch]['output_tok_s']:.0f} output tok/s")
+    return rows
+
+
+def bench_throughput(engine: Engine, workloads: dict, hf_rows: dict[int, dict], hbm: float | None) -> list[dict]:
+    rows = []
+    for batch, (prompts, outputs) in workloads.items():
         row = {"batch": batch, "prompt_tokens": sum(map(len, prompts)), "output_tokens": sum(outputs),
                "engine": engine_throughput(engine, prompts, outputs)}
-        if hf is not None:
-            row["transformers"] = hf_throughput(hf, prompts, outputs, args.device)
+        if batch in hf_rows:
+            row["transformers"] = hf_rows[batch]
             row["engine_vs_transformers"] = row["engine"]["output_tok_s"] / row["transformers"]["output_tok_s"]
         step_ms = row["engine"]["decode_step_ms"]
         if hbm is not None and step_ms:
-            row["roofline_step_ms"] = weight_bytes / hbm * 1e3
+            row["roofline_step_ms"] = engine.plan.total_bytes / hbm * 1e3
             row["roofline_fraction"] = row["roofline_step_ms"] / step_ms
         rows.append(row)
-        hf_rate = f", transformers {row['transformers']['output_tok_s']:.0f}" if hf is not None else ""
-        progress(f"  throughput batch {batch}: {row['engine']['output_tok_s']:.0f} output tok/s{hf_rate}")
+        progress(f"  engine batch {batch}: {row['engine']['output_tok_s']:.0f} output tok/s")
     return rows
 
 
@@ -246,28 +260,28 @@ def bench_shape(name: str, model_dir: Path | None, args) -> dict:
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     with tempfile.TemporaryDirectory() as tmp:
         hf, model_dir = load_model(name, model_dir, Path(tmp), args.device, dtype)
+        workloads = throughput_workloads(args, hf.config.vocab_size)
+        hf_rows = {}
+        if not args.no_transformers:
+            progress(f"{name}: transformers throughput")
+            hf_rows = bench_hf_throughput(hf, workloads, args.device)
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
         max_seqs = max(max(args.batch), args.streams + 1)
         config = EngineConfig(device=args.device, dtype=str(dtype).removeprefix("torch."),
                               max_model_len=args.max_model_len, max_num_seqs=max_seqs,
                               max_num_batched_tokens=args.budget or EngineConfig.max_num_batched_tokens,
                               gpu_memory_utilization=0.85)
         engine = Engine.build(model_dir, copy_from(hf.state_dict()), config)
+        del hf  # the engine's loader keeps the weights it copies from: both copies stay on the device
         engine.start()
-        if args.no_transformers:
-            hf = None
-        else:
-            hf.generate(torch.tensor([[11, 12, 13]], device=args.device), max_new_tokens=2, do_sample=False,
-                        pad_token_id=0)  # warm-up
         vocab = engine.model_config.vocab_size
         progress(f"{name}: warm-up")
         engine_throughput(engine, [random_tokens(64, torch.Generator().manual_seed(0), vocab)] * 2, [8, 8])
-        progress(f"{name}: throughput")
+        progress(f"{name}: engine throughput")
         result = {"shape": name, "weight_bytes": engine.plan.total_bytes, "hbm_bytes_per_s": hbm_bandwidth(args),
                   "engine_config": config.as_dict(),
-                  "throughput": bench_throughput(engine, hf, args, vocab, hbm_bandwidth(args))}
-        del hf
-        if args.device == "cuda":
-            torch.cuda.empty_cache()
+                  "throughput": bench_throughput(engine, workloads, hf_rows, hbm_bandwidth(args))}
         progress(f"{name}: prefix caching")
         result["prefix"] = bench_prefix(engine, args, vocab)
         progress(f"{name}: long prompts during decodes")

@@ -162,5 +162,5 @@ def test_serving_bench_runs_in_its_small_cpu_mode_and_writes_every_figure(tmp_pa
     assert result["mix"]["chunked"]["budget"] == 48 and result["mix"]["whole"]["budget"] == 202
     assert result["mix"]["chunked"]["gaps"] > 0
     assert "TTFT cached ms" in done.stdout and "ITL p99 ms" in done.stdout and "progress" not in done.stdout
-    assert "throughput batch 3" in done.stderr  # progress while it runs
+    assert "engine batch 3" in done.stderr  # progress while it runs
 
