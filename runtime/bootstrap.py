@@ -76,7 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if several:
             from runtime.multi_model import start_models
 
-            return start_models(settings, state.timeline)
+            return start_models(settings, state.timeline, build_fresh)
         return start_engine(settings, state.timeline)
 
     if lambda_api:

@@ -15,7 +15,7 @@ which is how the placement policies (runtime/server/routing.py) run without a GP
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from runtime.config import ConfigError, Settings
 from runtime.logs import get_logger
@@ -47,11 +47,12 @@ def placements(settings: Settings, devices: list[str]) -> dict[str, list[str]]:
     return {name: list(devices) for name in names}
 
 
-def start_models(settings: Settings, timeline: Timeline) -> StartedModels:
-    """Build every model's engines, pool them per device, make the first model resident (blocking)."""
+def start_models(settings: Settings, timeline: Timeline,
+                 build: Callable[[Settings, Timeline], "Engine"]) -> StartedModels:
+    """Build every model's engines (BUILD: a lone model's CPU phase, for its settings), pool them per device,
+    make the first model resident (blocking)."""
     import torch
 
-    from runtime.bootstrap import build_fresh
     from runtime.launch import resolve_device
     from runtime.pool.errors import PoolError
     from runtime.pool.pool import ModelPool, device_budget
@@ -69,7 +70,7 @@ def start_models(settings: Settings, timeline: Timeline) -> StartedModels:
     unbaked: dict[str, str] = {}
     for model in settings.models:
         for device in where[model.name]:
-            engine: Engine = build_fresh(settings.for_model(model), timeline)
+            engine = build(settings.for_model(model), timeline)
             graphs = _baked_graphs(model_settings(settings, model), unbaked)
             try:
                 pools[device].add(model.name, engine, graphs)

@@ -172,7 +172,8 @@ def _switch_parser(sub, common: argparse.ArgumentParser) -> None:
     switch.add_argument("--shapes", type=_shapes, default=_shapes("qwen2-1.5b:4,llama-3-8b:2"),
                         help="shape:count,... among tiny, smollm2-135m, qwen2-1.5b, llama-3-8b "
                              "(default qwen2-1.5b:4,llama-3-8b:2; tiny:3 for a CPU smoke run)")
-    switch.add_argument("--models-dir", type=Path, help="where the models are made once and reused (default OUT/models)")
+    switch.add_argument("--models-dir", type=Path,
+                        help="where the models are made once and reused (default OUT/models)")
     switch.add_argument("--chunk-mb", type=_positive(float), default=16.0,
                         help="the layouts' chunk size: the pool evicts and reloads in groups of chunks (16)")
     switch.add_argument("--pool-gb", type=_positive(float),

@@ -52,8 +52,10 @@ def make_models(shapes: list[tuple[str, int]], models_dir: Path, chunk_bytes: in
             base = models_dir / f"{shape}-seed{seed}"
             planned.append((f"{shape}-{i}", shape, seed, base, Path(f"{base}-layout")))
             seed += 1
-    missing = [{"hf_dir": str(base), "layout": str(layout), "shape": shape, "seed": seed, "chunk_bytes": chunk_bytes}
-               for _, shape, seed, base, layout in planned if not (layout / "manifest.json").is_file()]
+    # transformers loads only the first model of each shape (the probes' B): the others keep their layout alone
+    missing = [{"hf_dir": str(base), "layout": str(layout), "shape": shape, "seed": seed, "chunk_bytes": chunk_bytes,
+                "keep_weights": name.endswith("-0")}
+               for name, shape, seed, base, layout in planned if not (layout / "manifest.json").is_file()]
     if missing:
         _make(missing, log_dir / "make-models.log")
     return [BenchModel(name, shape, seed, base, layout, _layout_bytes(layout))
@@ -78,8 +80,11 @@ def _main(jobs: str) -> None:
     from scripts.model_shapes import make_random_model_dir
 
     for job in json.loads(jobs):
-        make_random_model_dir(Path(job["hf_dir"]), job["shape"], job["seed"])
+        hf_dir = make_random_model_dir(Path(job["hf_dir"]), job["shape"], job["seed"])
         write_layout(job["hf_dir"], job["layout"], dtype="bfloat16", chunk_bytes=job["chunk_bytes"], progress=False)
+        if not job["keep_weights"]:  # half the disk for the 8B shapes
+            for weights in [*hf_dir.glob("*.safetensors"), *hf_dir.glob("*.safetensors.index.json")]:
+                weights.unlink()
 
 
 if __name__ == "__main__":

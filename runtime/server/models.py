@@ -88,7 +88,8 @@ class ModelView:
 
     async def abort(self, request_id: str) -> None:
         for _, view in self.placements:
-            await view.abort(request_id)
+            if view.engine.ready:
+                await view.abort(request_id)
 
     def generate(self, prompt: str | list[int], params: SamplingParams,
                  request_id: str | None = None) -> AsyncIterator[RequestOutput]:

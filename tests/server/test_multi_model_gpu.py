@@ -1,0 +1,36 @@
+"""Several models in one real server on the GPU: each answers exactly as it does served alone on the GPU,
+through switches between them (the pool's VMM ranges, the engines' CUDA graphs)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.server.conftest import API_KEY, start_server
+from tests.server.test_multi_model import PROMPTS, complete, http_get, model_list
+
+pytestmark = pytest.mark.gpu
+
+TWO = ("tiny-llama", "tiny-qwen3")
+ENGINE = {"DEVICE": "cuda", "MAX_MODEL_LEN": "256", "MAX_NUM_SEQS": "4"}
+
+
+def test_several_models_on_the_gpu_answer_as_each_alone(tmp_path, tiny_model):
+    dirs = {name: tiny_model(name) for name in TWO}
+    alone = {}
+    for name, path in dirs.items():
+        srv = start_server(tmp_path, f"alone-{name}", MODEL=path, SERVED_MODEL_NAME=name, API_KEY=API_KEY, **ENGINE)
+        try:
+            srv.wait_ready(timeout=300)
+            alone.update({(name, i): complete(srv, name, prompt) for i, prompt in enumerate(PROMPTS)})
+        finally:
+            srv.stop()
+    srv = start_server(tmp_path, "pooled", MODEL=model_list(dirs), API_KEY=API_KEY, GPU_MEMORY_UTILIZATION="0.5",
+                       **ENGINE)
+    try:
+        srv.wait_ready(timeout=300)
+        jobs = [(name, i) for i in range(len(PROMPTS)) for name in TWO] * 2
+        assert [complete(srv, name, PROMPTS[i]) for name, i in jobs] == [alone[job] for job in jobs]
+        pool = http_get(srv, "/health")["pools"]["cuda"]
+        assert all(m["switches"] >= 2 for m in pool["models"].values())
+    finally:
+        assert srv.stop() == 0
