@@ -3,7 +3,7 @@
 Per sequence, the keys and values of its blocks are gathered (one copy of its KV, [L, kv_heads, head_dim]),
 and its queries, the last `num_q` of its `seq_len` positions, attend to them:
 - a whole prompt (no cached context) is plain causal attention (`is_causal`, the flash kernel);
-- one query (decode) sees every key, so it needs no mask at all;
+- one query (decode) sees every key, so it needs no mask at all: two products per key head;
 - a slice of a prompt after cached context sees all of the context and its own keys causally: the two parts
   are attended separately and merged by their log-sum-exps, as flash attention merges its key blocks.
 Grouped-query heads are not repeated: the kernels read each key head for its group of query heads.
@@ -38,14 +38,23 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """q: [H, Lq, D], the last Lq of the L positions of k, v: [KVH, L, D] -> [H, Lq, D]."""
     num_q, context = q.shape[1], k.shape[1] - q.shape[1]
-    if context == 0 or num_q == 1:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=context == 0 and num_q > 1, scale=scale,
-                                              enable_gqa=True)
+    if num_q == 1:
+        return _one_query(q, k, v, scale)
+    if context == 0:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     before, before_lse = _with_lse(q, k[:, :context], v[:, :context], scale, causal=False)
     own, own_lse = _with_lse(q, k[:, context:], v[:, context:], scale, causal=True)
     lse = torch.logaddexp(before_lse, own_lse)
     merged = before.float() * (before_lse - lse).exp()[..., None] + own.float() * (own_lse - lse).exp()[..., None]
     return merged.to(q.dtype)
+
+
+def _one_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """A decode query [H, 1, D] over all of k, v [KVH, L, D]: each key head's group of query heads as the rows
+    of one product (torch's fused attention takes its math path here, with the key heads repeated)."""
+    heads, kv_heads, dim = q.shape[0], k.shape[0], q.shape[2]
+    scores = torch.bmm(q.reshape(kv_heads, heads // kv_heads, dim), k.transpose(1, 2)).float().mul_(scale)
+    return torch.bmm(scores.softmax(-1).to(v.dtype), v).reshape(heads, 1, dim)
 
 
 def _with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

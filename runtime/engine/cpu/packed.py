@@ -43,8 +43,8 @@ class PackedKernels:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._gemv = lib.thaw_packed_gemv
-        self._gemv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
-                               ctypes.c_void_p, ctypes.c_long, ctypes.c_void_p, ctypes.c_int]
+        self._gemv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                               ctypes.c_long, ctypes.c_void_p, ctypes.c_int]
         self._pack = lib.thaw_pack
         self._pack.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_void_p,
                                ctypes.c_int]
@@ -65,9 +65,8 @@ class PackedKernels:
         x = x.contiguous()
         tokens = x.shape[0]
         y = torch.empty(tokens, w.n)
-        scratch = torch.empty(tokens * w.k // GROUP)
-        if self._gemv(w.bits, x.data_ptr(), scratch.data_ptr(), tokens, w.k, w.blocks.data_ptr(), w.n,
-                      y.data_ptr(), torch.get_num_threads()):
+        if self._gemv(w.bits, x.data_ptr(), tokens, w.k, w.blocks.data_ptr(), w.n, y.data_ptr(),
+                      torch.get_num_threads()):
             raise ValueError(f"packed projection of {tokens} tokens over a {w.bits}-bit [{w.n}, {w.k}] weight")
         return y if bias is None else y.add_(bias)
 

@@ -150,12 +150,12 @@ int thaw_pack(int bits, const float *w, long n, int k, void *out, int threads) {
 #define ROWS_PER_CHUNK 16
 
 /* y [tokens, n] = x [tokens, k] @ w.T for a packed [n, k] weight (`bits` 4 or 8); tokens <= 8, k % 32 == 0.
- * `xsum` is scratch of tokens * k / 32 floats (Q4 only). Returns 0, or -1 for arguments out of range. */
-int thaw_packed_gemv(int bits, const float *x, float *xsum, int tokens, int k, const void *w, long n, float *y,
-                     int threads) {
+ * Returns 0, or -1 for arguments out of range. */
+int thaw_packed_gemv(int bits, const float *x, int tokens, int k, const void *w, long n, float *y, int threads) {
     if (tokens < 1 || tokens > MAX_TOKENS || k % GROUP || (bits != 4 && bits != 8))
         return -1;
     const int groups = k / GROUP;
+    float xsum[tokens * groups];  /* at most 8 * k / 32 floats: k bytes */
     if (bits == 4)
         for (int t = 0; t < tokens; t++)
             for (int g = 0; g < groups; g++) {

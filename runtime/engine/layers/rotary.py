@@ -32,19 +32,27 @@ def cos_sin_table(max_positions: int, inv_freq: torch.Tensor) -> torch.Tensor:
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
 
 
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
-                 cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: [T, heads, head_dim], k: [T, kv_heads, head_dim]. In place on cuda; new tensors on cpu."""
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
+                 rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [T, heads, head_dim], k: [T, kv_heads, head_dim]. In place on cuda; new tensors on cpu, where `rows`
+    (from `rotary_rows`, gathered once a step for every layer) saves gathering the tokens' rows again."""
     if use_kernels(q):
         from runtime.engine.kernels.rotary import rotary_inplace
 
         rotary_inplace(q, k, positions, cos_sin)
         return q, k
+    cos, sin = rows if rows is not None else rotary_rows(positions, cos_sin, q.dtype)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def rotary_rows(positions: torch.Tensor, cos_sin: torch.Tensor,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's cos and sin, repeated to the head dim, [T, 1, head_dim] each, in `dtype`."""
     half = cos_sin.shape[-1] // 2
     table = cos_sin[positions]
-    cos = torch.cat([table[:, :half]] * 2, dim=-1)[:, None, :].to(q.dtype)
-    sin = torch.cat([table[:, half:]] * 2, dim=-1)[:, None, :].to(q.dtype)
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    cos = torch.cat([table[:, :half]] * 2, dim=-1)[:, None, :].to(dtype)
+    sin = torch.cat([table[:, half:]] * 2, dim=-1)[:, None, :].to(dtype)
+    return cos, sin
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

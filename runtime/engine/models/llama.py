@@ -13,12 +13,14 @@ from torch import nn
 from runtime.engine.attention_metadata import AttentionMetadata
 from runtime.engine.layers.activation import silu_and_mul
 from runtime.engine.layers.attention import paged_attention, store_kv
+from runtime.engine.layers.dispatch import use_kernels
 from runtime.engine.layers.linear import Embedding, Linear, linear
 from runtime.engine.layers.norm import RMSNorm
-from runtime.engine.layers.rotary import apply_rotary
+from runtime.engine.layers.rotary import apply_rotary, rotary_rows
 from runtime.engine.model_config import ModelConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+RopeRows = tuple[torch.Tensor, torch.Tensor]
 
 
 class Attention(nn.Module):
@@ -35,7 +37,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache,
-                cos_sin: torch.Tensor) -> torch.Tensor:
+                cos_sin: torch.Tensor, rope_rows: RopeRows | None = None) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -43,7 +45,7 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, positions, cos_sin)
+        q, k = apply_rotary(q, k, positions, cos_sin, rope_rows)
         store_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
         out = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
@@ -67,12 +69,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
 
-    def forward(self, positions, x, residual, meta, kv_cache, cos_sin):
+    def forward(self, positions, x, residual, meta, kv_cache, cos_sin, rope_rows=None):
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, meta, kv_cache, cos_sin)
+        x = self.self_attn(positions, x, meta, kv_cache, cos_sin, rope_rows)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -97,9 +99,11 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states after the final norm, [T, hidden]. `num_layers` runs only the first layers
         (used to load every kernel module a full forward needs, cheaply)."""
         x = self.model.embed_tokens(input_ids)
+        # on cpu each token's rotary rows are gathered once for every layer (the cuda kernel reads the table)
+        rope_rows = None if use_kernels(x) else rotary_rows(positions, cos_sin, x.dtype)
         residual = None
         for i, layer in enumerate(self.model.layers[:num_layers]):
-            x, residual = layer(positions, x, residual, meta, kv_caches[i], cos_sin)
+            x, residual = layer(positions, x, residual, meta, kv_caches[i], cos_sin, rope_rows)
         x, _ = self.model.norm(x, residual)
         return x
 
