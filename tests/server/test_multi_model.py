@@ -149,6 +149,12 @@ def test_a_pool_too_small_for_all_evicts_and_reloads_with_the_same_outputs(tight
     models = http_get(tight, "/health")["pools"]["cpu"]["models"]
     assert sum(m["loads"] for m in models.values()) > len(MODELS)  # evicted by the others, then loaded again
     assert all(m["switches"] >= 2 for m in models.values())
+    # requests for a model that is not resident, arriving together, wait for one switch
+    missing = next(name for name, m in models.items() if m["resident_bytes"] < m["total_bytes"])
+    with ThreadPoolExecutor(3) as pool:
+        texts = list(pool.map(lambda i: complete(tight, missing, PROMPTS[i]), range(3)))
+    assert texts == [expected[(missing, i)] for i in range(3)]
+    assert http_get(tight, "/health")["pools"]["cpu"]["models"][missing]["loads"] == models[missing]["loads"] + 1
     # interleaved and concurrent too: each request waits for its model's switch
     jobs = [(name, i) for i in range(len(PROMPTS)) for name in MODELS]
     with ThreadPoolExecutor(6) as pool:
