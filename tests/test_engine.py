@@ -385,8 +385,8 @@ def test_unsupported_architecture_is_named():
 
 def test_a_warmed_up_engine_serves_what_a_fresh_one_serves(tiny_model, engine_factory):
     """The warm-up a gpu snapshot is taken after (runtime/engine/warm_up.py) leaves nothing behind that a
-    caller could notice: every block free, no steps counted, and the same tokens for greedy, seeded and
-    unseeded sampling (the engine's own generator is not drawn from)."""
+    caller could notice: every block free, no steps counted, nothing in the prefix cache, and the same tokens
+    for greedy, seeded and unseeded sampling (the engine's own generator is not drawn from)."""
     from runtime.engine.warm_up import SAMPLING_PATHS, warm_up
 
     model_dir = tiny_model("tiny-llama")
@@ -406,6 +406,7 @@ def test_a_warmed_up_engine_serves_what_a_fresh_one_serves(tiny_model, engine_fa
     assert max(done.prompt_lengths) <= 64 - 4 and len(done.prompt_lengths) >= 4  # clipped to the context
     stats = warmed.stats()
     assert (stats.steps, stats.steps_run_ahead, stats.kv_blocks_used, stats.running) == (0, 0, 0, 0)
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits, warmed.blocks.num_cached) == (0, 0, 0)
     assert serve(warmed) == expected
     # a context barely longer than the warm-up's tokens still warms up (short prompts), and one that holds no
     # prompt beside them is left alone, not failed

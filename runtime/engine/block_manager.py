@@ -132,8 +132,7 @@ class BlockManager:
         self._usable = self._reserved
 
     def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix and the counts of queries and hits (the blocks held stay held)."""
-        self.query_tokens = self.hit_tokens = 0
+        """Forget every cached prefix (the blocks held stay held)."""
         self._empty.extend(self._evictable)
         self._evictable.clear()
         self._block_of.clear()

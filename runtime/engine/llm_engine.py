@@ -316,8 +316,10 @@ class Engine:
         self._inbox.put(("cut", reason))
 
     def reset_step_counts(self) -> None:
-        """Forget the steps run so far (stats() counts from here): after a warm-up (runtime/engine/warm_up.py)."""
+        """Forget the steps run so far and the prefix-cache counts (stats() counts from here): after a warm-up
+        (runtime/engine/warm_up.py)."""
         self._steps = self._steps_run_ahead = 0
+        self.blocks.query_tokens = self.blocks.hit_tokens = 0
 
     def stats(self) -> EngineStats:
         if not self.ready:
