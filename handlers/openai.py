@@ -18,31 +18,32 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from handlers.openai_protocol import (
-    GenerationRequest,
+from handlers import choices
+from handlers.openai_protocol import GenerationRequest, parse_chat, parse_completion, parse_json
+from handlers.openai_responses import (
+    ChoiceResult,
     chat_chunk,
     chat_response,
     completion_chunk,
     completion_logprobs,
     completion_response,
-    parse_chat,
-    parse_completion,
-    parse_json,
+    tool_finish_reason,
     usage_chunk,
 )
-from runtime.engine.outputs import RequestCut, RequestOutput, TokenLogprob
-from runtime.engine.sampling_params import InvalidParams
+from handlers.tokenize import tokenize_routes
+from handlers.tool_calls import ToolCallStream
+from runtime.engine.outputs import RequestCut, RequestOutput
 from runtime.logs import get_logger
 from runtime.server.disconnect import unless_disconnected
 from runtime.server.engine_view import EngineView
-from runtime.server.errors import APIError, bad_request, cut_by_shutdown
+from runtime.server.errors import APIError, cut_by_shutdown
 from runtime.server.handler import Handler
 from runtime.server.sse import DONE, EventStreamResponse, event
 from runtime.server.state import AppState
 
 log = get_logger("openai")
 
-Outputs = AsyncIterator[RequestOutput]
+Merged = AsyncIterator[tuple[int, RequestOutput]]
 
 
 @dataclass(frozen=True)
@@ -50,8 +51,8 @@ class _Endpoint:
     """What differs between chat and plain completions: parsing, the stream's events, the JSON body."""
 
     parse: Callable[[dict[str, Any], EngineView, str], GenerationRequest]
-    events: Callable[[GenerationRequest, RequestOutput, Outputs], AsyncIterator[bytes]]
-    respond: Callable[[GenerationRequest, str, list[TokenLogprob] | None, RequestOutput], dict[str, Any]]
+    events: Callable[[GenerationRequest, Merged], AsyncIterator[bytes]]
+    respond: Callable[[GenerationRequest, list[ChoiceResult]], dict[str, Any]]
 
 
 def json_response(content: Any, status: int = 200) -> Response:
@@ -74,30 +75,27 @@ async def _answer(body: dict[str, Any], state: AppState, engine: EngineView, end
     # Rendering the chat template and tokenising leave the event loop: a prompt of megabytes takes seconds,
     # and /health and every other request would wait for it.
     req = await asyncio.to_thread(endpoint.parse, body, engine, state.model_name or engine.model_name)
-    outputs = engine.generate(req.prompt, req.params, req.id)
-    try:
-        first = await anext(outputs)
-    except InvalidParams as exc:  # prompt too long for the context, or a parameter the engine refuses
-        raise bad_request(str(exc), exc.param) from None
+    firsts, streams = await choices.start(engine, req)
+    outputs = choices.merged(firsts, streams)
     if req.stream:
-        return EventStreamResponse(endpoint.events(req, first, outputs))
-    text, logprobs, last = await _collect(req, first, outputs)
-    return json_response(endpoint.respond(req, text, logprobs, last))
+        return EventStreamResponse(endpoint.events(req, outputs))
+    return json_response(endpoint.respond(req, await _collect(req, outputs)))
 
 
-async def _collect(req: GenerationRequest, out: RequestOutput,
-                   outputs: Outputs) -> tuple[str, list[TokenLogprob] | None, RequestOutput]:
-    texts: list[str] = []
-    logprobs: list[TokenLogprob] = []
+async def _collect(req: GenerationRequest, outputs: Merged) -> list[ChoiceResult]:
+    texts: list[list[str]] = [[] for _ in range(req.n)]
+    logprobs: list[list] = [[] for _ in range(req.n)]
+    lasts: dict[int, RequestOutput] = {}
     try:
-        while True:
-            texts.append(out.text)
-            logprobs.extend(out.logprobs or ())
+        async for i, out in outputs:
+            texts[i].append(out.text)
+            logprobs[i].extend(out.logprobs or ())
             if out.finished:
-                return "".join(texts), logprobs if req.params.logprobs is not None else None, out
-            out = await anext(outputs)
+                lasts[i] = out
     finally:
         await outputs.aclose()
+    wanted = req.params.logprobs is not None
+    return [ChoiceResult(i, "".join(texts[i]), logprobs[i] if wanted else None, lasts[i]) for i in range(req.n)]
 
 
 def _error_event(req: GenerationRequest, exc: Exception) -> bytes:
@@ -109,19 +107,26 @@ def _error_event(req: GenerationRequest, exc: Exception) -> bytes:
     return event(APIError(500, str(exc), type="server_error").body())
 
 
-async def _chat_events(req: GenerationRequest, out: RequestOutput, outputs: Outputs) -> AsyncIterator[bytes]:
+async def _chat_events(req: GenerationRequest, outputs: Merged) -> AsyncIterator[bytes]:
+    readers = [ToolCallStream(req.tools) if req.tools is not None else None for _ in range(req.n)]
+    lasts: list[RequestOutput] = []
     try:
-        yield event(chat_chunk(req, {"role": "assistant", "content": ""}))
-        while True:
-            delta = {"content": out.text} if out.text else {}
+        for i in range(req.n):
+            yield event(chat_chunk(req, i, {"role": "assistant", "content": ""}))
+        async for i, out in outputs:
+            reader = readers[i]
+            if reader is not None:
+                delta = reader.feed(out.text, out.finished)
+            else:
+                delta = {"content": out.text} if out.text else {}
             if out.finished:
-                yield event(chat_chunk(req, delta, out.finish_reason, out.logprobs))
-                break
-            if out.text or out.logprobs:
-                yield event(chat_chunk(req, delta, None, out.logprobs))
-            out = await anext(outputs)
+                lasts.append(out)
+                reason = tool_finish_reason(req, out.finish_reason) if reader and reader.called else out.finish_reason
+                yield event(chat_chunk(req, i, delta, reason, out.logprobs))
+            elif delta or out.logprobs:
+                yield event(chat_chunk(req, i, delta, None, out.logprobs))
         if req.include_usage:
-            yield event(usage_chunk(req, out, "chat.completion.chunk"))
+            yield event(usage_chunk(req, lasts, "chat.completion.chunk"))
         yield DONE
     except Exception as exc:
         yield _error_event(req, exc)
@@ -129,22 +134,24 @@ async def _chat_events(req: GenerationRequest, out: RequestOutput, outputs: Outp
         await outputs.aclose()
 
 
-async def _completion_events(req: GenerationRequest, out: RequestOutput,
-                             outputs: Outputs) -> AsyncIterator[bytes]:
-    text_offset = 0
+async def _completion_events(req: GenerationRequest, outputs: Merged) -> AsyncIterator[bytes]:
+    text_offsets = [0] * req.n
+    lasts: list[RequestOutput] = []
     try:
-        while True:
+        if req.echo:
+            for i in range(req.n):
+                yield event(completion_chunk(req, i, req.echo))
+        async for i, out in outputs:
             logprobs = None
             if out.logprobs:
-                logprobs = completion_logprobs(out.logprobs, text_offset, bool(req.params.logprobs))
+                logprobs = completion_logprobs(out.logprobs, text_offsets[i], bool(req.params.logprobs))
             if out.text or logprobs or out.finished:
-                yield event(completion_chunk(req, out.text, out.finish_reason, logprobs))
-            text_offset += len(out.text)
+                yield event(completion_chunk(req, i, out.text, out.finish_reason, logprobs))
+            text_offsets[i] += len(out.text)
             if out.finished:
-                break
-            out = await anext(outputs)
+                lasts.append(out)
         if req.include_usage:
-            yield event(usage_chunk(req, out, "text_completion"))
+            yield event(usage_chunk(req, lasts, "text_completion"))
         yield DONE
     except Exception as exc:
         yield _error_event(req, exc)
@@ -182,7 +189,8 @@ def routes(state: AppState) -> list[Route]:
     return [Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/completions", completions, methods=["POST"]),
             Route("/v1/models", list_models, methods=["GET"]),
-            Route("/v1/models/{model:path}", get_model, methods=["GET"])]
+            Route("/v1/models/{model:path}", get_model, methods=["GET"]),
+            *tokenize_routes(state)]
 
 
 handler = Handler(routes=routes, name="openai")

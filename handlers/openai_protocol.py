@@ -1,9 +1,11 @@
-"""OpenAI's request and response shapes: JSON bodies in, SamplingParams and prompts (token ids) out; engine
-outputs in, `chat.completion(.chunk)` and `text_completion` objects out. No I/O here; handlers/openai.py does
-that, and runs the parsing (template rendering and tokenising included) off the event loop."""
+"""OpenAI's request shapes: JSON bodies in, SamplingParams and prompts (token ids) out (handlers/openai_responses.py
+shapes the answers). No I/O here; handlers/openai.py does that, and runs the parsing (template rendering and
+tokenising included) off the event loop."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -11,14 +13,16 @@ from typing import Any, Callable, Sequence
 
 import orjson
 
-from runtime.engine.outputs import RequestOutput, TokenLogprob
-from runtime.engine.sampling_params import InvalidParams, SamplingParams
-from runtime.engine.tokenizer import ChatTemplateError
+from handlers.tool_calls import ToolRequest, parse_tool_request
+from handlers.tool_prompt import render_tools, template_format
+from runtime.engine.sampling_params import GrammarSpec, InvalidParams, SamplingParams
+from runtime.engine.tokenizer import ChatTemplateError, Tokenizer
 from runtime.server.engine_view import EngineView
 from runtime.server.errors import APIError, bad_request
 
 #: roles the chat template sees; OpenAI's newer "developer" role is the old "system"
-CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+MAX_N = 128                           # OpenAI's limit for `n`
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16   # OpenAI's default for /v1/completions
 MAX_COMPLETIONS_LOGPROBS = 5          # OpenAI's limit for /v1/completions `logprobs`
 MAX_TOP_LOGPROBS = 20                 # and for /v1/chat/completions `top_logprobs`
@@ -35,6 +39,18 @@ class GenerationRequest:
     stream: bool
     include_usage: bool
     created: int = field(default_factory=lambda: int(time.time()))
+    n: int = 1
+    echo: str | None = None          # completions: the prompt's text, put before each choice's text
+    tools: ToolRequest | None = None
+
+    def choice_params(self, index: int) -> SamplingParams:
+        """Choice `index`'s sampling: a seeded request seeds its choices seed, seed + 1, ... (as vLLM does)."""
+        if index == 0 or self.params.seed is None:
+            return self.params
+        return dataclasses.replace(self.params, seed=self.params.seed + index)
+
+    def request_id(self, index: int) -> str:
+        return self.id if self.n == 1 else f"{self.id}-{index}"
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
@@ -51,7 +67,7 @@ _KIND_WORDS = {"int": "an integer", "number": "a number", "bool": "a boolean", "
                "list": "an array", "dict": "an object"}
 
 
-class _Fields:
+class Fields:
     """Typed access to a request body; a wrong type is a 400 naming the parameter."""
 
     def __init__(self, body: dict[str, Any]) -> None:
@@ -72,7 +88,7 @@ class _Fields:
         return float(value) if kind == "number" else value
 
 
-def _check_model(fields: _Fields, served: str) -> str:
+def check_model(fields: Fields, served: str) -> str:
     model = fields.get("model", "str", served)
     if model != served:
         raise APIError(404, f"The model `{model}` does not exist. This server serves `{served}`.",
@@ -96,25 +112,24 @@ class Refusal:
 
 #: what neither route serves
 UNSERVED = (
-    Refusal("n", "int", lambda n: n != 1,
-            "only n=1 (send several requests, with different seeds if you want different samples)"),
-    Refusal("best_of", "int", lambda n: n != 1, "only best_of=1"),
-    Refusal("echo", "bool", bool, "echo is not implemented"),
+    Refusal("best_of", "int", lambda n: n != 1,
+            "only best_of=1 (ranking samples by their log-probability is not implemented: ask for n choices "
+            "with logprobs and rank them)"),
     Refusal("suffix", "str", bool, "no insertion"),
-    Refusal("tools", "list", bool, "no tool calling"),
-    Refusal("functions", "list", bool, "no function calling"),
-    Refusal("logit_bias", "dict", bool, "no logit bias"),
-    Refusal("response_format", "dict", lambda fmt: fmt["type"] != "text", "no structured output"),
+    Refusal("functions", "list", bool, "the deprecated 'functions' are not served: use 'tools'"),
 )
-CHAT_REFUSALS = UNSERVED
+CHAT_REFUSALS = UNSERVED + (Refusal("echo", "bool", bool, "echo is for /v1/completions"),)
 COMPLETION_REFUSALS = UNSERVED
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 
 
-def _check_request(f: _Fields, refusals: Sequence[Refusal]) -> None:
+def _check_request(f: Fields, refusals: Sequence[Refusal]) -> None:
     """The checks every route makes, in one place: types of the shared parameters, then what is refused."""
     f.get("user", "str")
     _check_response_format(f)
+    n = f.get("n", "int", 1)
+    if not 1 <= n <= MAX_N:
+        raise bad_request(f"'n' must be between 1 and {MAX_N}, got {n}", "n")
     for refusal in refusals:
         value = f.get(refusal.name, refusal.kind)
         if value is not None and refusal.refused(value):
@@ -122,14 +137,49 @@ def _check_request(f: _Fields, refusals: Sequence[Refusal]) -> None:
                               "unsupported_parameter")
 
 
-def _check_response_format(f: _Fields) -> None:
+def _check_response_format(f: Fields) -> None:
     fmt = f.get("response_format", "dict")
     if fmt is not None and fmt.get("type") not in RESPONSE_FORMATS:
         raise bad_request(f"'response_format.type' must be one of {', '.join(RESPONSE_FORMATS)}, got "
                           f"{fmt.get('type')!r}", "response_format")
 
 
-def _sampling_params(fields: _Fields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def _response_grammar(f: Fields) -> GrammarSpec | None:
+    """`response_format` json_object or json_schema as a grammar (checked when the engine compiles it)."""
+    fmt = f.get("response_format", "dict")
+    if fmt is None or fmt["type"] == "text":
+        return None
+    if fmt["type"] == "json_object":
+        return GrammarSpec("json_schema", '{"type": "object"}')
+    spec = fmt.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+        raise bad_request("'response_format.json_schema' must be an object with a 'schema' object",
+                          "response_format")
+    if "name" in spec and not isinstance(spec["name"], str):
+        raise bad_request("'response_format.json_schema.name' must be a string", "response_format")
+    return GrammarSpec("json_schema", json.dumps(spec.get("schema", {"type": "object"})))
+
+
+def _logit_bias(f: Fields) -> dict[int, float]:
+    bias = f.get("logit_bias", "dict", {})
+    out = {}
+    for token, value in bias.items():
+        try:
+            out[int(token)] = float(value)
+        except (TypeError, ValueError):
+            raise bad_request("'logit_bias' maps token ids to numbers between -100 and 100", "logit_bias") from None
+    return out
+
+
+def _token_ids(f: Fields, name: str) -> list[int]:
+    ids = f.get(name, "list", [])
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise bad_request(f"'{name}' must be a list of token ids", name)
+    return ids
+
+
+def _sampling_params(fields: Fields, max_tokens: int, logprobs: int | None,
+                     grammar: GrammarSpec | None = None) -> SamplingParams:
     f = fields
     stop = f.body.get("stop")
     if stop is not None and not isinstance(stop, str) and not (
@@ -151,12 +201,17 @@ def _sampling_params(fields: _Fields, max_tokens: int, logprobs: int | None) -> 
             stop=[stop] if isinstance(stop, str) else list(stop or []),
             ignore_eos=f.get("ignore_eos", "bool", False),
             logprobs=logprobs,
+            min_p=f.get("min_p", "number", 0.0),
+            min_tokens=f.get("min_tokens", "int", 0),
+            stop_token_ids=_token_ids(f, "stop_token_ids"),
+            logit_bias=_logit_bias(f),
+            grammar=grammar,
         )
     except InvalidParams as exc:
         raise bad_request(str(exc), exc.param) from None
 
 
-def _max_tokens(fields: _Fields) -> int | None:
+def _max_tokens(fields: Fields) -> int | None:
     """max_completion_tokens replaced max_tokens in chat; both are accepted on both routes, each checked,
     and the newer name wins where both are set."""
     values = {}
@@ -168,7 +223,7 @@ def _max_tokens(fields: _Fields) -> int | None:
     return values["max_completion_tokens"] or values["max_tokens"]
 
 
-def _stream_flags(fields: _Fields) -> tuple[bool, bool]:
+def _stream_flags(fields: Fields) -> tuple[bool, bool]:
     stream = fields.get("stream", "bool", False)
     options = fields.get("stream_options", "dict", {})
     include_usage = options.get("include_usage", False)
@@ -178,16 +233,13 @@ def _stream_flags(fields: _Fields) -> tuple[bool, bool]:
 
 
 def parse_chat(body: dict[str, Any], engine: EngineView, served: str) -> GenerationRequest:
-    f = _Fields(body)
-    model = _check_model(f, served)
+    f = Fields(body)
+    model = check_model(f, served)
     _check_request(f, CHAT_REFUSALS)
-    messages = _chat_messages(f.get("messages", "list"))
-    try:
-        prompt_text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    except ChatTemplateError as exc:
-        raise bad_request(str(exc), "messages") from None
+    tokenizer = engine.tokenizer
+    tools = parse_tool_request(body, template_format(tokenizer.chat_template))
     # The template writes the special tokens (BOS included) itself.
-    prompt = engine.tokenizer.encode(prompt_text, add_special_tokens=False)
+    prompt = tokenizer.encode(chat_prompt(f, tokenizer, tools, True), add_special_tokens=False)
     max_tokens = _max_tokens(f)
     if max_tokens is None:  # OpenAI's default: whatever room the context has left
         max_tokens = max(1, engine.max_model_len - len(prompt))
@@ -199,12 +251,29 @@ def parse_chat(body: dict[str, Any], engine: EngineView, served: str) -> Generat
         logprobs = top
     elif f.get("top_logprobs", "int") is not None:
         raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    grammar = _response_grammar(f)
+    tool_grammar = tools.grammar() if tools else None
+    if grammar is not None and tool_grammar is not None:
+        raise bad_request("'response_format' and a required or named 'tool_choice' both fix the answer's form: "
+                          "send one of them", "response_format")
     stream, include_usage = _stream_flags(f)
     return GenerationRequest(f"chatcmpl-{uuid.uuid4().hex}", model, prompt,
-                             _sampling_params(f, max_tokens, logprobs), stream, include_usage)
+                             _sampling_params(f, max_tokens, logprobs, grammar or tool_grammar), stream,
+                             include_usage, n=f.get("n", "int", 1), tools=tools if tools and tools.parsed else None)
 
 
-def _chat_messages(raw: list | None) -> list[dict[str, str]]:
+def chat_prompt(f: Fields, tokenizer: Tokenizer, tools: ToolRequest | None, add_generation_prompt: bool) -> str:
+    """The request's messages (and tools) through the model's chat template."""
+    messages, template_tools = render_tools(_chat_messages(f.get("messages", "list")),
+                                            tools.tools if tools else None, tokenizer.chat_template)
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                             tools=template_tools)
+    except ChatTemplateError as exc:
+        raise bad_request(str(exc), "messages") from None
+
+
+def _chat_messages(raw: list | None) -> list[dict[str, Any]]:
     if not raw:
         raise bad_request("'messages' must be a non-empty list", "messages")
     messages = []
@@ -215,10 +284,35 @@ def _chat_messages(raw: list | None) -> list[dict[str, str]]:
         if role is None:
             raise bad_request(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got "
                               f"{message.get('role')!r}", f"messages[{i}].role")
-        if message.get("tool_calls"):
-            raise bad_request("tool calls are not supported", f"messages[{i}].tool_calls", "unsupported_parameter")
-        messages.append({"role": role, "content": _message_text(message.get("content"), i)})
+        calls = message.get("tool_calls") if role == "assistant" else None
+        content = message.get("content")
+        out: dict[str, Any] = {"role": role, "content": "" if content is None and calls else _message_text(content, i)}
+        if calls:
+            out["tool_calls"] = _history_calls(calls, i)
+        if role == "tool":
+            out["tool_call_id"] = str(message.get("tool_call_id", ""))
+        messages.append(out)
     return messages
+
+
+def _history_calls(calls: Any, i: int) -> list[dict[str, Any]]:
+    """An assistant's earlier tool calls, with their arguments as JSON objects (how templates write them)."""
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise bad_request(f"{where} must be an array", where)
+    out = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise bad_request(f"{where}: each call needs a function with a name", where)
+        arguments = function.get("arguments", "{}")
+        try:
+            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+        except ValueError:
+            raise bad_request(f"{where}: arguments must be a JSON object, got {arguments!r}", where) from None
+        out.append({"id": call.get("id", ""), "type": "function",
+                    "function": {"name": function["name"], "arguments": arguments}})
+    return out
 
 
 def _message_text(content: Any, i: int) -> str:
@@ -235,20 +329,26 @@ def _message_text(content: Any, i: int) -> str:
 
 
 def parse_completion(body: dict[str, Any], engine: EngineView, served: str) -> GenerationRequest:
-    f = _Fields(body)
-    model = _check_model(f, served)
+    f = Fields(body)
+    model = check_model(f, served)
     _check_request(f, COMPLETION_REFUSALS)
     max_tokens = _max_tokens(f)
     logprobs = f.get("logprobs", "int")
     if logprobs is not None and not 0 <= logprobs <= MAX_COMPLETIONS_LOGPROBS:
         raise bad_request(f"'logprobs' must be between 0 and {MAX_COMPLETIONS_LOGPROBS}, got {logprobs}", "logprobs")
-    stream, include_usage = _stream_flags(f)
     prompt = _completion_prompt(body.get("prompt"))
+    echo = None
+    if f.get("echo", "bool", False):
+        if logprobs is not None:
+            raise bad_request("'echo' with 'logprobs' is not supported: it needs the prompt's log-probabilities, "
+                              "which this server does not compute", "echo", "unsupported_parameter")
+        echo = prompt if isinstance(prompt, str) else engine.tokenizer.decode(prompt, skip_special_tokens=False)
+    stream, include_usage = _stream_flags(f)
+    params = _sampling_params(f, max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS, logprobs, _response_grammar(f))
     if isinstance(prompt, str):
         prompt = engine.tokenizer.encode(prompt)
-    return GenerationRequest(f"cmpl-{uuid.uuid4().hex}", model, prompt,
-                             _sampling_params(f, max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS, logprobs),
-                             stream, include_usage)
+    return GenerationRequest(f"cmpl-{uuid.uuid4().hex}", model, prompt, params, stream, include_usage,
+                             n=f.get("n", "int", 1), echo=echo)
 
 
 def _completion_prompt(prompt: Any) -> str | list[int]:
@@ -263,74 +363,3 @@ def _completion_prompt(prompt: Any) -> str | list[int]:
         raise bad_request("batched prompts are not supported: send one prompt per request", "prompt",
                           "unsupported_parameter")
     raise bad_request("'prompt' must be a string or a list of token ids", "prompt")
-
-
-# -- responses -------------------------------------------------------------------------------------------
-
-def usage(out: RequestOutput) -> dict[str, Any]:
-    return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
-            "total_tokens": out.prompt_tokens + out.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": out.cached_tokens}}
-
-
-def chat_logprobs(entries: list[TokenLogprob]) -> dict[str, Any]:
-    def one(token: str, logprob: float, raw: bytes) -> dict[str, Any]:
-        return {"token": token, "logprob": logprob, "bytes": list(raw)}
-
-    return {"content": [one(e.token, e.logprob, e.bytes)
-                        | {"top_logprobs": [one(t, lp, raw) for (_, t, lp), raw in zip(e.top, e.top_bytes)]}
-                        for e in entries]}
-
-
-def completion_logprobs(entries: list[TokenLogprob], text_offset: int, with_top: bool) -> dict[str, Any]:
-    offsets, at = [], text_offset
-    for e in entries:
-        offsets.append(at)
-        at += len(e.token)
-    return {"tokens": [e.token for e in entries], "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{t: lp for _, t, lp in e.top} for e in entries] if with_top else None,
-            "text_offset": offsets}
-
-
-def chat_response(req: GenerationRequest, text: str, logprobs: list[TokenLogprob] | None,
-                  last: RequestOutput) -> dict[str, Any]:
-    return {"id": req.id, "object": "chat.completion", "created": req.created, "model": req.model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": chat_logprobs(logprobs) if logprobs is not None else None,
-                         "finish_reason": last.finish_reason}],
-            "usage": usage(last)}
-
-
-def chat_chunk(req: GenerationRequest, delta: dict[str, Any], finish_reason: str | None = None,
-               logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
-    chunk = {"id": req.id, "object": "chat.completion.chunk", "created": req.created, "model": req.model,
-             "choices": [{"index": 0, "delta": delta,
-                          "logprobs": chat_logprobs(logprobs) if logprobs else None,
-                          "finish_reason": finish_reason}]}
-    if req.include_usage:
-        chunk["usage"] = None
-    return chunk
-
-
-def completion_response(req: GenerationRequest, text: str, logprobs: list[TokenLogprob] | None,
-                        last: RequestOutput) -> dict[str, Any]:
-    return {"id": req.id, "object": "text_completion", "created": req.created, "model": req.model,
-            "choices": [{"index": 0, "text": text,
-                         "logprobs": completion_logprobs(logprobs, 0, bool(req.params.logprobs))
-                         if logprobs is not None else None,
-                         "finish_reason": last.finish_reason}],
-            "usage": usage(last)}
-
-
-def completion_chunk(req: GenerationRequest, text: str, finish_reason: str | None = None,
-                     logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    chunk = {"id": req.id, "object": "text_completion", "created": req.created, "model": req.model,
-             "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}]}
-    if req.include_usage:
-        chunk["usage"] = None
-    return chunk
-
-
-def usage_chunk(req: GenerationRequest, last: RequestOutput, object_name: str) -> dict[str, Any]:
-    return {"id": req.id, "object": object_name, "created": req.created, "model": req.model, "choices": [],
-            "usage": usage(last)}

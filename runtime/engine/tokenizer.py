@@ -93,13 +93,15 @@ class Tokenizer:
         return {t.content and self._tok.token_to_id(t.content)
                 for t in self._tok.get_added_tokens_decoder().values() if t.special} - {None}
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
         if not self.chat_template:
             raise ChatTemplateError("this model has no chat template; use /v1/completions")
+        extra = {"tools": tools} if tools else {}  # templates test `tools is defined` as well as its value
         try:
             return self._compiled_template.render(
                 messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "", **extra)
         except ChatTemplateError:
             raise
         except Exception as exc:  # jinja errors, template's own checks

@@ -186,7 +186,8 @@ def test_extra_parameters_are_accepted(client: openai.OpenAI):
     ({"messages": CHAT, "top_p": 0}, "top_p"),
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
-    ({"messages": CHAT, "n": 2}, "n"),
+    ({"messages": CHAT, "n": 0}, "n"),
+    ({"messages": CHAT, "echo": True}, "echo"),  # completions only
     ({"messages": CHAT, "logprobs": True, "top_logprobs": 50}, "top_logprobs"),
     ({"messages": CHAT, "stop": 7}, "stop"),
     ({"messages": CHAT, "presence_penalty": 3}, "presence_penalty"),
@@ -203,10 +204,16 @@ def test_invalid_chat_request_is_400(http: httpx.Client, body, param):
 #: but not served, None where it is invalid
 SHARED_CHECKS = [
     ("best_of", 2, "unsupported_parameter"),
-    ("echo", True, "unsupported_parameter"),
-    ("n", 2, "unsupported_parameter"),
-    ("logit_bias", {"50": 10}, "unsupported_parameter"),
-    ("response_format", {"type": "json_object"}, "unsupported_parameter"),
+    ("suffix", "and then", "unsupported_parameter"),
+    ("n", 200, None),
+    ("logit_bias", {"50": 101}, None),
+    ("logit_bias", {"fifty": 1}, None),
+    ("logit_bias", {"100000": 1}, None),  # outside the vocabulary
+    ("stop_token_ids", [-1], None),
+    ("min_tokens", 5, None),  # more than max_tokens
+    ("min_p", 1.5, None),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}, None),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": []}}, None),
     ("response_format", "text", None),
     ("response_format", {"type": "yaml"}, None),
     ("user", 5, None),

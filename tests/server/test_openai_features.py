@@ -1,0 +1,262 @@
+"""Structured outputs, tool calls, n, logit_bias, min_tokens, stop_token_ids, echo, /tokenize, /detokenize,
+/version and vLLM's metric names, through the real server and the real `openai` client."""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from tests.server.test_openai_api import CHAT, GREEDY, metrics
+
+MODEL = "tiny-llama"
+EOS = 0  # the served tiny model's <|endoftext|> (tests/server/conftest.py)
+
+#: nested objects, arrays and enums, bounded so that a random model finishes it within max_tokens
+SCHEMA = {
+    "type": "object", "additionalProperties": False, "required": ["name", "kind", "tags", "owner"],
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "kind": {"enum": ["cat", "dog", 7, None]},
+        "tags": {"type": "array", "maxItems": 3, "items": {"type": "string", "enum": ["a", "bb", "ccc"]}},
+        "owner": {"type": "object", "additionalProperties": False, "required": ["age", "admin"],
+                  "properties": {"age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                 "admin": {"type": "boolean"}}},
+    },
+}
+JSON_SCHEMA = {"type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMA, "strict": True}}
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+                   "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]},
+                                  "unit": {"enum": ["celsius", "fahrenheit"]}}}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "additionalProperties": False, "required": ["zone"],
+                                       "properties": {"zone": {"enum": ["UTC", "CET"]}}}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def test_json_schema_output_always_validates(client: openai.OpenAI):
+    """24 seeded samples, in two requests of n=12, and 6 streamed ones: every one parses and validates."""
+    outputs = []
+    for seed in (1, 100):
+        r = client.chat.completions.create(model=MODEL, messages=CHAT, response_format=JSON_SCHEMA, n=12, seed=seed,
+                                           temperature=1.0, max_tokens=200)
+        assert len(r.choices) == 12
+        outputs += [(c.message.content, c.finish_reason) for c in r.choices]
+    for seed in range(6):
+        chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, response_format=JSON_SCHEMA,
+                                                     seed=seed, max_tokens=200, stream=True))
+        outputs.append(("".join(c.choices[0].delta.content or "" for c in chunks), chunks[-1].choices[0].finish_reason))
+    for text, finish_reason in outputs:
+        assert finish_reason == "stop", text
+        jsonschema.validate(json.loads(text), SCHEMA)
+    assert len({text for text, _ in outputs}) > 20  # samples, not one answer repeated
+
+
+def test_json_object_on_completions_and_a_cut_answer_ends_with_length(client: openai.OpenAI):
+    r = client.completions.create(model=MODEL, prompt="A JSON object:", max_tokens=300, seed=3, temperature=0.7,
+                                  extra_body={"response_format": {"type": "json_object"}})
+    if r.choices[0].finish_reason == "stop":  # a random model may nest objects past any bound
+        assert isinstance(json.loads(r.choices[0].text), dict)
+    cut = client.chat.completions.create(model=MODEL, messages=CHAT, response_format=JSON_SCHEMA, max_tokens=5,
+                                         seed=1)
+    assert cut.choices[0].finish_reason == "length" and '{"name": "'.startswith(cut.choices[0].message.content)
+
+
+class Owner(BaseModel):
+    age: int = Field(ge=0, le=120)
+    admin: bool
+
+
+class Pet(BaseModel):
+    name: str = Field(max_length=6)
+    kind: Literal["cat", "dog"]
+    tags: list[Literal["a", "bb"]] = Field(max_length=2)
+    owner: Owner
+
+
+def test_parse_with_a_pydantic_model(client: openai.OpenAI):
+    r = client.chat.completions.parse(model=MODEL, messages=CHAT, response_format=Pet, max_tokens=200, seed=5)
+    pet = r.choices[0].message.parsed
+    assert isinstance(pet, Pet) and isinstance(pet.owner, Owner) and pet.kind in ("cat", "dog")
+    with pytest.raises(openai.LengthFinishReasonError):
+        client.chat.completions.parse(model=MODEL, messages=CHAT, response_format=Pet, max_tokens=4, seed=5)
+
+
+def _arguments_valid(call, tool) -> dict:
+    arguments = json.loads(call.function.arguments)
+    jsonschema.validate(arguments, tool["function"]["parameters"])
+    return arguments
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_tool_call_round_trip(client: openai.OpenAI, http: httpx.Client, tool_choice):
+    """The model's call (forced), the tool's answer back, then the model's final answer."""
+    first = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice=tool_choice,
+                                           parallel_tool_calls=False, max_tokens=100, seed=2)
+    choice = first.choices[0]
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_") and not choice.message.content
+    if tool_choice == "required":
+        assert call.function.name in ("get_weather", "get_time") and choice.finish_reason == "tool_calls"
+    else:
+        assert call.function.name == "get_weather" and choice.finish_reason == "stop"
+    arguments = _arguments_valid(call, WEATHER if call.function.name == "get_weather" else TIME)
+
+    history = ASK + [choice.message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'}]
+    final = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER, TIME], max_tokens=8,
+                                           **GREEDY)
+    assert final.choices[0].message.content and final.choices[0].finish_reason == "length"
+    assert not final.choices[0].message.tool_calls
+    # the model saw the tools, its own call and the tool's answer
+    prompt = http.post("/tokenize", json={"model": MODEL, "messages": history, "tools": [WEATHER, TIME]}).json()
+    assert prompt["count"] == final.usage.prompt_tokens
+    text = http.post("/detokenize", json={"model": MODEL, "tokens": prompt["tokens"]}).json()["prompt"]
+    assert '"name": "get_time"' in text and "<tool_response>\n{\"temperature\": 21}\n</tool_response>" in text
+    assert json.dumps({"name": call.function.name, "arguments": arguments}) in text
+
+
+def test_streamed_tool_call_deltas_reassemble_to_the_same_calls(client: openai.OpenAI):
+    kwargs = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice="required", max_tokens=150, seed=7)
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    calls: dict[int, dict] = {}
+    finish_reasons = []
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        delta = chunk.choices[0].delta
+        assert not delta.content
+        for part in delta.tool_calls or ():
+            call = calls.setdefault(part.index, {"id": part.id, "name": part.function.name, "arguments": ""})
+            assert part.id in (None, call["id"]) and part.function.name in (None, call["name"])
+            call["arguments"] += part.function.arguments or ""
+        finish_reasons.append(chunk.choices[0].finish_reason)
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+        (c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    assert finish_reasons[-1] == "tool_calls" and whole.finish_reason == "tool_calls"
+    assert all(c["id"].startswith("call_") for c in calls.values())
+
+
+def test_auto_tool_choice_answers_in_text_when_the_model_calls_nothing(client: openai.OpenAI):
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=6, **GREEDY)
+    assert r.choices[0].message.content and r.choices[0].message.tool_calls is None
+
+
+@pytest.mark.parametrize("tools, tool_choice, param", [
+    ([{"type": "function", "function": {"parameters": {}}}], None, "tools[0].function.name"),
+    ([WEATHER], {"type": "function", "function": {"name": "launch"}}, "tool_choice"),
+    ([WEATHER], "sometimes", "tool_choice"),
+    (None, "required", "tool_choice"),
+    ([{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}], "required", "tools"),
+])
+def test_bad_tools_are_400(client: openai.OpenAI, tools, tool_choice, param):
+    extra = {"tools": tools} if tools else {}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=ASK, tool_choice=tool_choice, max_tokens=4, **extra)
+    assert e.value.status_code == 400 and e.value.param == param
+
+
+def test_invalid_schema_is_400(client: openai.OpenAI):
+    bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "minProperties": "two"}}}
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=CHAT, response_format=bad, max_tokens=4, stream=stream)
+        assert e.value.param == "response_format"
+
+
+def test_n_choices(client: openai.OpenAI):
+    greedy = client.chat.completions.create(model=MODEL, messages=CHAT, n=3, max_tokens=12, **GREEDY)
+    assert [c.index for c in greedy.choices] == [0, 1, 2]
+    assert len({c.message.content for c in greedy.choices}) == 1
+    single = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, **GREEDY)
+    assert greedy.choices[0].message.content == single.choices[0].message.content
+    assert greedy.usage.completion_tokens == 36 and greedy.usage.prompt_tokens == single.usage.prompt_tokens
+    seeded = client.completions.create(model=MODEL, prompt="Once", n=3, max_tokens=12, seed=11, temperature=1.0,
+                                       extra_body={"ignore_eos": True})
+    assert len({c.text for c in seeded.choices}) == 3
+    # choice i is seeded seed + i: choice 1 of seed 11 is choice 0 of seed 12
+    alone = client.completions.create(model=MODEL, prompt="Once", max_tokens=12, seed=12, temperature=1.0,
+                                      extra_body={"ignore_eos": True})
+    assert alone.choices[0].text == seeded.choices[1].text
+    chunks = list(client.completions.create(model=MODEL, prompt="Once", n=3, max_tokens=12, seed=11, temperature=1.0,
+                                            stream=True, extra_body={"ignore_eos": True}))
+    streamed = ["".join(c.choices[0].text for c in chunks if c.choices[0].index == i) for i in range(3)]
+    assert streamed == [c.text for c in seeded.choices]
+
+
+def test_logit_bias_bans_and_forces_tokens(client: openai.OpenAI, http: httpx.Client):
+    def token_ids(**kwargs) -> list[int]:
+        r = client.completions.create(model=MODEL, prompt="The quick brown", max_tokens=10, logprobs=0, **kwargs)
+        text = "".join(r.choices[0].logprobs.tokens)
+        return http.post("/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["tokens"]
+
+    greedy = token_ids(**GREEDY)
+    banned = token_ids(logit_bias={str(greedy[0]): -100}, **GREEDY)
+    assert greedy[0] not in banned
+    (quick,) = http.post("/tokenize", json={"prompt": " quick", "add_special_tokens": False}).json()["tokens"]
+    forced = client.completions.create(model=MODEL, prompt="The quick brown", max_tokens=6, seed=1, temperature=1.0,
+                                       logit_bias={str(quick): 100}, extra_body={"ignore_eos": True})
+    assert forced.choices[0].text == " quick" * 6
+
+
+def test_min_tokens_holds_back_eos(client: openai.OpenAI):
+    eager = {"temperature": 0.0, "logit_bias": {str(EOS): 100}}  # EOS at once, unless held back
+    assert client.completions.create(model=MODEL, prompt="x", max_tokens=20, **eager).usage.completion_tokens == 1
+    held = client.completions.create(model=MODEL, prompt="x", max_tokens=20, extra_body={"min_tokens": 5}, **eager)
+    assert held.usage.completion_tokens == 6 and held.choices[0].finish_reason == "stop"
+
+
+def test_stop_token_ids(client: openai.OpenAI, http: httpx.Client):
+    full = client.completions.create(model=MODEL, prompt="The quick", max_tokens=12, logprobs=0, **GREEDY).choices[0]
+    tokens = full.logprobs.tokens  # each generated token's text; a token that is new and its own tokenization
+    ids = [http.post("/tokenize", json={"prompt": t, "add_special_tokens": False}).json()["tokens"] for t in tokens]
+    at = next(i for i in range(2, 12) if len(ids[i]) == 1 and tokens[i] not in tokens[:i])
+    r = client.completions.create(model=MODEL, prompt="The quick", max_tokens=12, temperature=0.0,
+                                  extra_body={"stop_token_ids": ids[at], "ignore_eos": True})
+    assert r.choices[0].finish_reason == "stop" and r.usage.completion_tokens == at + 1
+    assert full.text.startswith(r.choices[0].text) and len(r.choices[0].text) < len(full.text)
+
+
+def test_echo_returns_the_prompt(client: openai.OpenAI):
+    prompt = "Once upon a time"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, echo=True, **GREEDY)
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, **GREEDY)
+    assert r.choices[0].text == prompt + plain.choices[0].text
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, echo=True, stream=True, **GREEDY))
+    assert chunks[0].choices[0].text == prompt and "".join(c.choices[0].text for c in chunks) == r.choices[0].text
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=5, echo=True, logprobs=1)
+
+
+def test_tokenize_detokenize_and_version(client: openai.OpenAI, http: httpx.Client):
+    text = "Hello world, Ünïcödé 日本語"
+    r = http.post("/tokenize", json={"model": MODEL, "prompt": text, "return_token_strs": True}).json()
+    assert r["count"] == len(r["tokens"]) == len(r["token_strs"]) and r["max_model_len"] == 2048
+    assert http.post("/detokenize", json={"model": MODEL, "tokens": r["tokens"]}).json() == {"prompt": text}
+    chat = http.post("/tokenize", json={"messages": CHAT}).json()
+    served = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1)
+    assert chat["count"] == served.usage.prompt_tokens
+    assert http.post("/detokenize", json={"tokens": [10**6]}).status_code == 400
+    assert http.post("/tokenize", json={"model": "gpt-9", "prompt": "x"}).status_code == 404
+    assert isinstance(http.get("/version").json()["version"], str)
+
+
+def test_vllm_metric_names(client: openai.OpenAI, http: httpx.Client):
+    label = '{model_name=tiny-llama}'
+    before = metrics(http)
+    client.completions.create(model=MODEL, prompt="abc", max_tokens=4, **GREEDY)
+    after = metrics(http)
+    for name in ("time_to_first_token_seconds_count", "e2e_request_latency_seconds_count"):
+        assert after[f"vllm:{name}{label}"] == before.get(f"vllm:{name}{label}", 0) + 1
+    assert after[f"vllm:inter_token_latency_seconds_count{label}"] >= before.get(
+        f"vllm:inter_token_latency_seconds_count{label}", 0) + 3
+    assert after[f"vllm:generation_tokens_total{label}"] == before.get(f"vllm:generation_tokens_total{label}", 0) + 4
+    assert after[f"vllm:prompt_tokens_total{label}"] > before.get(f"vllm:prompt_tokens_total{label}", 0)
+    assert after["vllm:request_success_total{finished_reason=length,model_name=tiny-llama}"] >= 1
+    for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
+        assert after[f"vllm:{gauge}{label}"] == 0
