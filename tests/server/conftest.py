@@ -37,9 +37,6 @@ def free_port() -> int:
 def server_env(**settings: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("AWS_LAMBDA_RUNTIME_API", "API_KEY", "HANDLER")}
     pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    # One intra-op thread: the tiny models' ops gain nothing from more, and on a loaded machine each parallel
-    # region waits for a second core (a server's step took ten times longer at a load of 11 on 2 cores).
-    env.setdefault("OMP_NUM_THREADS", "1")
     env.update({"PYTHONPATH": pythonpath, "HOST": "127.0.0.1", "DEVICE": "cpu", "LOG_LEVEL": "info", **settings})
     return env
 
