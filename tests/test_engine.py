@@ -242,11 +242,15 @@ def test_stop_token_and_eos_end_with_stop(tiny_model, engine_factory):
 def test_grammar_requests_follow_their_schema_and_leave_the_rest_of_the_batch_alone(tiny_model, engine_factory):
     """Requests with a JSON schema share steps with plain ones: every grammar output parses and validates,
     the plain ones get the tokens they get alone, and steps still run ahead once the grammars are done."""
+    check_constraints_in_mixed_batches(tiny_model("tiny-llama"), engine_factory)
+
+
+def check_constraints_in_mixed_batches(model_dir, engine_factory, **engine):
     import json
 
     import jsonschema
 
-    engine = engine_factory(tiny_model("tiny-llama"))
+    engine = engine_factory(model_dir, **engine)
     schema = {"type": "array", "items": {"enum": [1, 22, True, None]}, "minItems": 1, "maxItems": 4}
     spec = GrammarSpec("json_schema", json.dumps(schema))
     alone = [tokens(asyncio.run(collect(engine, p, max_tokens=24, temperature=0))) for p in PROMPTS[:4]]
@@ -254,13 +258,19 @@ def test_grammar_requests_follow_their_schema_and_leave_the_rest_of_the_batch_al
     async def mixed():
         grammar = [collect(engine, PROMPTS[i % 8], max_tokens=40, seed=i, grammar=spec) for i in range(8)]
         plain = [collect(engine, p, max_tokens=24, temperature=0) for p in PROMPTS[:4]]
-        return await asyncio.gather(*grammar, *plain)
+        biased = [collect(engine, PROMPTS[0], max_tokens=6, seed=1, logit_bias={77: 100.0}),
+                  collect(engine, PROMPTS[1], max_tokens=8, temperature=0, ignore_eos=False, min_tokens=5,
+                          logit_bias={min(engine.tokenizer.eos_token_ids): 100.0})]
+        return await asyncio.gather(*grammar, *plain, *biased)
 
     results = asyncio.run(mixed())
     for outs in results[:8]:
         assert outs[-1].finish_reason == "stop"
         jsonschema.validate(json.loads("".join(o.text for o in outs)), schema)
-    assert [tokens(outs) for outs in results[8:]] == alone
+    assert [tokens(outs) for outs in results[8:12]] == alone
+    forced, held = results[12:]
+    assert tokens(forced) == [77] * 6
+    assert len(tokens(held)) == 6 and held[-1].finish_reason == "stop"  # EOS held back for 5 tokens
     assert engine.stats().steps_run_ahead > 0 and engine.stats().kv_blocks_used == 0
     with pytest.raises(InvalidParams) as err:
         asyncio.run(collect(engine, [5, 6], grammar=GrammarSpec("json_schema", '{"type": "nonsense"}')))

@@ -5,7 +5,8 @@ import asyncio
 import pytest
 
 from tests.test_engine import (PRESETS, PROMPTS, check_async_scheduling_changes_no_output,
-                               check_penalties_match_transformers, collect, hf_greedy, tokens)
+                               check_constraints_in_mixed_batches, check_penalties_match_transformers, collect,
+                               hf_greedy, tokens)
 
 pytestmark = pytest.mark.gpu
 
@@ -70,3 +71,10 @@ def test_prompt_slices_and_prefix_hits_with_cuda_graphs_match_transformers(tiny_
     assert [tokens(o) for o in [first, *rest]] == expected
     assert first[-1].cached_tokens == 0 and [o[-1].cached_tokens for o in rest] == [32] * 4
     assert engine.stats().kv_blocks_used == 0
+
+
+def test_grammar_masks_and_logit_bias_beside_cuda_graphs(tiny_model, engine_factory):
+    """Decode steps run in CUDA graphs; grammar masks, logit_bias and min_tokens act on their logits after
+    the graph, for the rows that ask for them only."""
+    check_constraints_in_mixed_batches(tiny_model("tiny-llama"), engine_factory, device="cuda", dtype="float32",
+                                       max_num_seqs=16, gpu_memory_utilization=0.2)
