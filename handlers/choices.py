@@ -1,6 +1,11 @@
-"""The `n` choices of one request: n engine requests started together (choice i seeded seed + i), their
-first outputs awaited together (a parameter the engine refuses is a 400 before any byte is sent), and
-their outputs merged in the order they come. A single choice goes through untouched, at no cost."""
+"""The `n` choices of one request: n engine requests (choice i seeded seed + i), their first outputs awaited
+before any byte is sent (a parameter the engine refuses is a 400), and their outputs merged in the order
+they come. A single choice goes through untouched, at no cost.
+
+The first choice is prefilled alone: once its prompt is in the KV cache, the other choices find it in the
+prefix cache (runtime/engine/block_manager.py) and compute only the prompt's last, partial block, so the
+prompt is prefilled once, at the cost of one step's wait for choices 1 to n-1.
+"""
 
 from __future__ import annotations
 
@@ -19,14 +24,16 @@ Outputs = AsyncIterator[RequestOutput]
 async def start(engine: EngineView, req: GenerationRequest) -> tuple[list[RequestOutput], list[Outputs]]:
     """Every choice's engine stream and its first output."""
     streams = [engine.generate(req.prompt, req.choice_params(i), req.request_id(i)) for i in range(req.n)]
-    firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
-    failed = [f for f in firsts if isinstance(f, BaseException)]
-    if failed:
-        await close(streams)
-        if isinstance(failed[0], InvalidParams):  # prompt too long, or a parameter the engine refuses
-            raise bad_request(str(failed[0]), failed[0].param) from None
-        raise failed[0]
-    return list(firsts), streams
+    firsts: list = []
+    for group in (streams[:1], streams[1:]):
+        firsts += await asyncio.gather(*(anext(s) for s in group), return_exceptions=True)
+        failed = [f for f in firsts if isinstance(f, BaseException)]
+        if failed:
+            await close(streams)
+            if isinstance(failed[0], InvalidParams):  # prompt too long, or a parameter the engine refuses
+                raise bad_request(str(failed[0]), failed[0].param) from None
+            raise failed[0]
+    return firsts, streams
 
 
 async def close(streams: list[Outputs]) -> None:

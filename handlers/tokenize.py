@@ -62,13 +62,15 @@ def tokenize_routes(state: AppState) -> list[Route]:
         return state.model_name or engine.model_name
 
     async def tokenize_route(request: Request) -> Response:
-        engine = state.require_engine()
-        body = parse_json(await request.body())  # rendered and tokenised off the event loop, like a request
+        body = parse_json(await request.body())
+        engine = state.require_engine(body.get("model"))
+        # rendered and tokenised off the event loop, as a generation request is
         return _json(await asyncio.to_thread(tokenize, body, engine, served(engine)))
 
     async def detokenize_route(request: Request) -> Response:
-        engine = state.require_engine()
-        return _json(detokenize(parse_json(await request.body()), engine, served(engine)))
+        body = parse_json(await request.body())
+        engine = state.require_engine(body.get("model"))
+        return _json(detokenize(body, engine, served(engine)))
 
     async def version(request: Request) -> Response:
         return _json({"version": runtime.__version__})

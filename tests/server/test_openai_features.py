@@ -58,6 +58,7 @@ def server(tiny_model_dir, tmp_path_factory):
 
 def test_json_schema_output_always_validates(client: openai.OpenAI):
     """24 seeded samples, in two requests of n=12, and 6 streamed ones: every one parses and validates."""
+    client = client.with_options(timeout=300)  # some 90 steps a request: a second, a minute on a loaded machine
     outputs = []
     for seed in (1, 100):
         r = client.chat.completions.create(model=MODEL, messages=CHAT, response_format=JSON_SCHEMA, n=12, seed=seed,
@@ -203,6 +204,17 @@ def test_n_choices(client: openai.OpenAI):
                                             stream=True, extra_body={"ignore_eos": True}))
     streamed = ["".join(c.choices[0].text for c in chunks if c.choices[0].index == i) for i in range(3)]
     assert streamed == [c.text for c in seeded.choices]
+
+
+def test_n_choices_prefill_the_prompt_once(client: openai.OpenAI, http: httpx.Client):
+    """Choices 1 and 2 find the first choice's prompt in the prefix cache: all but its last partial block."""
+    prompt = [100 + i % 250 for i in range(70)]  # 4 full blocks of 16 and 6 tokens, not asked for before
+    before = metrics(http)
+    r = client.completions.create(model=MODEL, prompt=prompt, n=3, max_tokens=4, **GREEDY)
+    after = metrics(http)
+    assert r.usage.prompt_tokens == 70 and r.usage.prompt_tokens_details.cached_tokens == 0
+    hits = after["thawllm_prefix_cache_hits_total"] - before["thawllm_prefix_cache_hits_total"]
+    assert hits == 2 * 64
 
 
 def test_logit_bias_bans_and_forces_tokens(client: openai.OpenAI, http: httpx.Client):
