@@ -77,10 +77,13 @@ def test_json_schema_output_always_validates(client: openai.OpenAI):
 
 
 def test_json_object_on_completions_and_a_cut_answer_ends_with_length(client: openai.OpenAI):
-    r = client.completions.create(model=MODEL, prompt="A JSON object:", max_tokens=300, seed=3, temperature=0.7,
+    r = client.completions.create(model=MODEL, prompt="A JSON object:", max_tokens=40, seed=3, temperature=0.7,
                                   extra_body={"response_format": {"type": "json_object"}})
+    text = r.choices[0].text
     if r.choices[0].finish_reason == "stop":  # a random model may nest objects past any bound
-        assert isinstance(json.loads(r.choices[0].text), dict)
+        assert isinstance(json.loads(text), dict)
+    else:
+        assert r.choices[0].finish_reason == "length" and text.startswith("{")
     cut = client.chat.completions.create(model=MODEL, messages=CHAT, response_format=JSON_SCHEMA, max_tokens=5,
                                          seed=1)
     assert cut.choices[0].finish_reason == "length" and '{"name": "'.startswith(cut.choices[0].message.content)
