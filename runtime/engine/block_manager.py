@@ -70,7 +70,7 @@ class BlockManager:
     # -- prefix cache ------------------------------------------------------------------------------
 
     def cached_prefix(self, seq: Sequence) -> list[int]:
-        """The cached blocks that start `seq`'s tokens, longest run first to last; nothing is claimed."""
+        """The longest run of cached blocks that starts `seq`'s tokens, in order; nothing is claimed."""
         if not self.prefix_caching:
             return []
         tokens = _packed(seq.token_ids())
