@@ -171,11 +171,16 @@ class _StateCollector(Collector):
             steps.add_metric(["ahead"], stats.steps_run_ahead)
             steps.add_metric(["settled"], stats.steps - stats.steps_run_ahead)
         yield steps
+        queries, hits = (stats.prefix_cache_queries, stats.prefix_cache_hits) if stats is not None else (0, 0)
         yield CounterMetricFamily("thawllm_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
-                                  value=stats.prefix_cache_queries if stats is not None else 0)
+                                  value=queries)
         yield CounterMetricFamily("thawllm_prefix_cache_hits", "Prompt tokens found in the prefix cache (their "
-                                  "keys and values reused, not computed)",
-                                  value=stats.prefix_cache_hits if stats is not None else 0)
+                                  "keys and values reused, not computed)", value=hits)
+        for name, doc, value in (("vllm:prefix_cache_queries", "Prefix cache queries, in tokens", queries),
+                                 ("vllm:prefix_cache_hits", "Prefix cache hits, in tokens", hits)):
+            counter = CounterMetricFamily(name, doc, labels=["model_name"])
+            counter.add_metric([model], value)
+            yield counter
         if state.models is not None:
             yield from _pool_metrics(state)
 

@@ -51,6 +51,9 @@ def test_a_shared_system_prompt_is_reported_cached(sliced_server):
     assert after["thawllm_prefix_cache_queries_total"] - before["thawllm_prefix_cache_queries_total"] == queried
     assert after["thawllm_prefix_cache_hits_total"] - before["thawllm_prefix_cache_hits_total"] == \
         cached + chunks[-1].usage.prompt_tokens_details.cached_tokens
+    for what in ("queries", "hits"):  # under vLLM's names too
+        assert after[f"vllm:prefix_cache_{what}_total{{model_name=tiny-llama}}"] == \
+            after[f"thawllm_prefix_cache_{what}_total"]
 
 
 def test_a_stream_keeps_its_pace_while_a_long_prompt_is_prefilled(sliced_server):
