@@ -22,8 +22,8 @@ log = get_logger("engine.cpu")
 GROUP = 32
 #: most tokens a packed projection takes (decode steps of up to 8 sequences); more go to torch's matmul
 MAX_TOKENS = 8
-#: bytes of one group's block, by bits: fp16 d and m and 16 bytes of nibble pairs; fp16 d and 32 int8
-BLOCK_BYTES = {4: 20, 8: 34}
+#: the version of packed_gemv.c's functions this module calls (its thaw_packed_abi)
+ABI = 2
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,8 @@ class PackedKernels:
     """The C kernels, loaded with ctypes (which releases the GIL for each call)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
+        # bytes of one group's block: fp16 d and m and 16 bytes of nibble pairs (4), fp16 d and 32 int8 (8)
+        self.block_bytes = {bits: lib.thaw_block_bytes(bits) for bits in (4, 8)}
         self._gemv = lib.thaw_packed_gemv
         self._gemv.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
                                ctypes.c_long, ctypes.c_void_p, ctypes.c_int]
@@ -55,7 +57,7 @@ class PackedKernels:
         if weight.dtype != torch.float32 or k % GROUP or not weight.is_contiguous():
             return None
         for bits in (4, 8):
-            blocks = torch.empty(n, k // GROUP * BLOCK_BYTES[bits], dtype=torch.uint8)
+            blocks = torch.empty(n, k // GROUP * self.block_bytes[bits], dtype=torch.uint8)
             if self._pack(bits, weight.data_ptr(), n, k, blocks.data_ptr(), torch.get_num_threads()) == 0:
                 return PackedWeight(bits, blocks, n, k)
         return None
@@ -90,6 +92,11 @@ def _load() -> PackedKernels | None:
         lib = ctypes.CDLL(spec.origin)
     except OSError as exc:
         log.warning("the packed CPU kernel does not load (%s): weights stay float32", exc)
+        return None
+    abi = getattr(lib, "thaw_packed_abi", None)
+    if abi is None or abi() != ABI:
+        log.warning("the packed CPU kernel was built from other sources (pip install -e . rebuilds it): weights "
+                    "stay float32")
         return None
     if not lib.thaw_gemv_supported():
         log.info("this CPU lacks AVX2, FMA or F16C: weights stay float32")

@@ -27,8 +27,10 @@ int thaw_gemv_supported(void) {
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
 
-int thaw_q4_block_bytes(void) { return sizeof(block_q4); }
-int thaw_q8_block_bytes(void) { return sizeof(block_q8); }
+/* Bumped whenever a signature below changes: a library built from older sources is then not used. */
+int thaw_packed_abi(void) { return 2; }
+
+int thaw_block_bytes(int bits) { return bits == 4 ? (int)sizeof(block_q4) : (int)sizeof(block_q8); }
 
 AVX2 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
