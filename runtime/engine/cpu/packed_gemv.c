@@ -100,37 +100,66 @@ AVX2 static void q8_rows(const float *x, int tokens, int k, const block_q8 *w, l
  * Q4 takes the group's minimum as m and (max - min) / 15 as d, Q8 max|w| / 127 as d, both rounded to fp16 as
  * the GGUF stores them; a group whose values are not d*q (+ m) for those is not packable. Returns 0, or -1
  * (a group not exact; `out` is then partly written and must not be used). */
+AVX2 static inline __m128i narrow_to_i8(__m256i v) {
+    __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
+    __m128i w16 = _mm_packs_epi32(lo, hi);
+    return _mm_packs_epi16(w16, w16);
+}
+
+/* One group's q values for scale d (> 0) and offset m, rounded and clamped to [lo, hi], into q; -1 unless
+ * every d*q + m gives back its w exactly (d*q is exact: an fp16 times a small integer). */
+AVX2 static int group_q(const float *w, float d, float m, float lo, float hi, int8_t q[GROUP]) {
+    const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m), inv = _mm256_set1_ps(1.0f / d);
+    const __m256 vlo = _mm256_set1_ps(lo), vhi = _mm256_set1_ps(hi);
+    for (int j = 0; j < GROUP; j += 8) {
+        __m256 v = _mm256_loadu_ps(w + j);
+        __m256 r = _mm256_round_ps(_mm256_mul_ps(_mm256_sub_ps(v, vm), inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        r = _mm256_min_ps(_mm256_max_ps(r, vlo), vhi);
+        if (_mm256_movemask_ps(_mm256_cmp_ps(_mm256_add_ps(_mm256_mul_ps(vd, r), vm), v, _CMP_NEQ_UQ)))
+            return -1;
+        __m128i i = narrow_to_i8(_mm256_cvtps_epi32(r));
+        _mm_storel_epi64((__m128i *)(q + j), i);
+    }
+    return 0;
+}
+
+AVX2 static void group_range(const float *w, float *lo, float *hi, float *amax) {
+    __m256 mn = _mm256_loadu_ps(w), mx = mn;
+    for (int j = 8; j < GROUP; j += 8) {
+        __m256 v = _mm256_loadu_ps(w + j);
+        mn = _mm256_min_ps(mn, v);
+        mx = _mm256_max_ps(mx, v);
+    }
+    float a[8], b[8];
+    _mm256_storeu_ps(a, mn);
+    _mm256_storeu_ps(b, mx);
+    *lo = a[0], *hi = b[0];
+    for (int j = 1; j < 8; j++) { *lo = a[j] < *lo ? a[j] : *lo; *hi = b[j] > *hi ? b[j] : *hi; }
+    *amax = -*lo > *hi ? -*lo : *hi;
+}
+
 AVX2 static int q4_pack_group(const float *w, block_q4 *b) {
-    float lo = w[0], hi = w[0];
-    for (int j = 1; j < GROUP; j++) { lo = w[j] < lo ? w[j] : lo; hi = w[j] > hi ? w[j] : hi; }
+    float lo, hi, amax;
+    group_range(w, &lo, &hi, &amax);
     b->d = _cvtss_sh((hi - lo) / 15.0f, 0);
     b->m = _cvtss_sh(lo, 0);
-    float d = _cvtsh_ss(b->d), m = _cvtsh_ss(b->m);
-    uint8_t q[GROUP];
-    for (int j = 0; j < GROUP; j++) {
-        float v = d > 0.0f ? __builtin_nearbyintf((w[j] - m) / d) : 0.0f;
-        v = v < 0.0f ? 0.0f : v > 15.0f ? 15.0f : v;
-        if (d * v + m != w[j])
-            return -1;
-        q[j] = (uint8_t)v;
-    }
-    for (int j = 0; j < 16; j++) b->q[j] = q[j] | (uint8_t)(q[j + 16] << 4);
+    const float d = _cvtsh_ss(b->d), m = _cvtsh_ss(b->m);
+    int8_t q[GROUP] = {0};
+    if (d > 0.0f ? group_q(w, d, m, 0.0f, 15.0f, q) : (lo != hi || m != lo))
+        return -1;
+    for (int j = 0; j < 16; j++) b->q[j] = (uint8_t)q[j] | (uint8_t)(q[j + 16] << 4);
     return 0;
 }
 
 AVX2 static int q8_pack_group(const float *w, block_q8 *b) {
-    float amax = 0.0f;
-    for (int j = 0; j < GROUP; j++) amax = __builtin_fabsf(w[j]) > amax ? __builtin_fabsf(w[j]) : amax;
+    float lo, hi, amax;
+    group_range(w, &lo, &hi, &amax);
     b->d = _cvtss_sh(amax / 127.0f, 0);
-    float d = _cvtsh_ss(b->d);
-    for (int j = 0; j < GROUP; j++) {
-        float v = d > 0.0f ? __builtin_nearbyintf(w[j] / d) : 0.0f;
-        v = v < -127.0f ? -127.0f : v > 127.0f ? 127.0f : v;
-        if (d * v != w[j])
-            return -1;
-        b->q[j] = (int8_t)v;
-    }
-    return 0;
+    const float d = _cvtsh_ss(b->d);
+    if (d > 0.0f)
+        return group_q(w, d, 0.0f, -127.0f, 127.0f, b->q);
+    memset(b->q, 0, GROUP);
+    return amax == 0.0f ? 0 : -1;
 }
 
 int thaw_pack(int bits, const float *w, long n, int k, void *out, int threads) {
