@@ -219,13 +219,14 @@ def main(argv: list[str] | None = None) -> int:
         runners.append(LlamaCpp(embedded_gguf_path(), torch.get_num_threads()))
     except ImportError:
         say("llama.cpp skipped: llama_cpp is not importable (pip install llama-cpp-python builds it)")
+    load_before = os.getloadavg()
     figures = measure(runners, args.repeat, args.steps, args.prompts, args.batches)
     starts = {r.name: r.start for r in runners if isinstance(r, Thawllm)}
     for r in runners:
         r.close()
     result = {"model": SERVED_NAME, "gguf": embedded_gguf_path().name, "machine": machine(),
               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "command": " ".join(sys.argv),
-              "repeat": args.repeat, "generated_tokens": GENERATED, "decode_prompt_tokens": DECODE_PROMPT,
+              "load_average_1m": {"before": load_before[0], "after": os.getloadavg()[0]}, "repeat": args.repeat, "generated_tokens": GENERATED, "decode_prompt_tokens": DECODE_PROMPT,
               "decode_steps": args.steps,
               "median": {name: {k: statistics.median(v) for k, v in values.items()} for name, values in figures.items()},
               "runs": figures, "thawllm_start": starts}
