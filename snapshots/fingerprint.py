@@ -24,7 +24,8 @@ from runtime.config import Settings
 NVIDIA_PROC = Path("/proc/driver/nvidia")
 #: the settings that shape the engine; PORT, API_KEY, HANDLER... are read after restore and are not in it
 ENGINE_SETTINGS = ("device", "dtype", "max_model_len", "max_num_seqs", "max_num_batched_tokens",
-                   "gpu_memory_utilization", "enforce_eager", "async_scheduling", "enable_prefix_caching")
+                   "gpu_memory_utilization", "enforce_eager", "async_scheduling", "enable_prefix_caching",
+                   "cpu_threads", "cpu_packed_weights")
 
 
 @dataclass(frozen=True)
