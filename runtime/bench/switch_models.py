@@ -55,11 +55,26 @@ def make_models(shapes: list[tuple[str, int]], models_dir: Path, chunk_bytes: in
     # transformers loads only the first model of each shape (the probes' B): the others keep their layout alone
     missing = [{"hf_dir": str(base), "layout": str(layout), "shape": shape, "seed": seed, "chunk_bytes": chunk_bytes,
                 "keep_weights": name.endswith("-0")}
-               for name, shape, seed, base, layout in planned if not (layout / "manifest.json").is_file()]
+               for name, shape, seed, base, layout in planned if not _current_layout(layout)]
     if missing:
         _make(missing, log_dir / "make-models.log")
     return [BenchModel(name, shape, seed, base, layout, _layout_bytes(layout))
             for name, shape, seed, base, layout in planned]
+
+
+def _current_layout(layout: Path) -> bool:
+    """A layout this runtime reads is there; one of an older format is removed, to be made again."""
+    import shutil
+
+    from runtime.weights.manifest import FORMAT_VERSION
+
+    manifest = layout / "manifest.json"
+    if not manifest.is_file():
+        return False
+    if json.loads(manifest.read_text()).get("format_version") == FORMAT_VERSION:
+        return True
+    shutil.rmtree(layout)
+    return False
 
 
 def _layout_bytes(layout: Path) -> int:
