@@ -13,6 +13,7 @@ from typing import Any, Callable, Sequence
 
 import orjson
 
+from handlers.structured_outputs import request_grammar
 from handlers.tool_calls import ToolRequest, parse_tool_request
 from handlers.tool_prompt import render_tools, template_format
 from runtime.engine.sampling_params import GrammarSpec, InvalidParams, SamplingParams
@@ -144,22 +145,6 @@ def _check_response_format(f: Fields) -> None:
                           f"{fmt.get('type')!r}", "response_format")
 
 
-def _response_grammar(f: Fields) -> GrammarSpec | None:
-    """`response_format` json_object or json_schema as a grammar (checked when the engine compiles it)."""
-    fmt = f.get("response_format", "dict")
-    if fmt is None or fmt["type"] == "text":
-        return None
-    if fmt["type"] == "json_object":
-        return GrammarSpec("json_schema", '{"type": "object"}')
-    spec = fmt.get("json_schema")
-    if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
-        raise bad_request("'response_format.json_schema' must be an object with a 'schema' object",
-                          "response_format")
-    if "name" in spec and not isinstance(spec["name"], str):
-        raise bad_request("'response_format.json_schema.name' must be a string", "response_format")
-    return GrammarSpec("json_schema", json.dumps(spec.get("schema", {"type": "object"})))
-
-
 def _logit_bias(f: Fields) -> dict[int, float]:
     bias = f.get("logit_bias", "dict", {})
     out = {}
@@ -251,11 +236,11 @@ def parse_chat(body: dict[str, Any], engine: EngineView, served: str) -> Generat
         logprobs = top
     elif f.get("top_logprobs", "int") is not None:
         raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-    grammar = _response_grammar(f)
+    grammar = request_grammar(body)
     tool_grammar = tools.grammar() if tools else None
     if grammar is not None and tool_grammar is not None:
-        raise bad_request("'response_format' and a required or named 'tool_choice' both fix the answer's form: "
-                          "send one of them", "response_format")
+        raise bad_request(f"'{grammar.param}' and a required or named 'tool_choice' both fix the answer's form: "
+                          "send one of them", grammar.param)
     stream, include_usage = _stream_flags(f)
     return GenerationRequest(f"chatcmpl-{uuid.uuid4().hex}", model, prompt,
                              _sampling_params(f, max_tokens, logprobs, grammar or tool_grammar), stream,
@@ -344,7 +329,7 @@ def parse_completion(body: dict[str, Any], engine: EngineView, served: str) -> G
                               "which this server does not compute", "echo", "unsupported_parameter")
         echo = prompt if isinstance(prompt, str) else engine.tokenizer.decode(prompt, skip_special_tokens=False)
     stream, include_usage = _stream_flags(f)
-    params = _sampling_params(f, max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS, logprobs, _response_grammar(f))
+    params = _sampling_params(f, max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS, logprobs, request_grammar(body))
     if isinstance(prompt, str):
         prompt = engine.tokenizer.encode(prompt)
     return GenerationRequest(f"cmpl-{uuid.uuid4().hex}", model, prompt, params, stream, include_usage,

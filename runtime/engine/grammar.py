@@ -60,6 +60,15 @@ class GrammarCompiler:
                 grammar = LLMatcher.grammar_from_json_schema(spec.source, defaults=JSON_OPTIONS)
             elif spec.kind == "lark":
                 grammar = LLMatcher.grammar_from_lark(spec.source)
+            elif spec.kind == "regex":
+                grammar = LLMatcher.grammar_from_regex(spec.source)
+            elif spec.kind == "grammar":  # Lark or llama.cpp's GBNF
+                from llguidance.gbnf_to_lark import GbnfToLarkError, any_to_lark
+
+                try:
+                    grammar = LLMatcher.grammar_from_lark(any_to_lark(spec.source))
+                except GbnfToLarkError as exc:
+                    raise ValueError(str(exc)) from None
             else:
                 raise ValueError(f"unknown grammar kind {spec.kind!r}")
         except ValueError as exc:

@@ -12,8 +12,9 @@ MAX_LOGIT_BIAS = 100.0
 class GrammarSpec:
     """A grammar the output must follow, enforced token by token (runtime/engine/grammar.py).
 
-    `kind` is "json_schema" (`source` is the schema as JSON text) or "lark" (a Lark grammar, as llguidance
-    reads it); `param` names the request parameter it came from, for errors."""
+    `kind` is "json_schema" (`source` is the schema as JSON text), "regex", "lark" (a Lark grammar, as
+    llguidance reads it) or "grammar" (Lark or llama.cpp's GBNF); `param` names the request parameter it
+    came from, for errors."""
 
     kind: str
     source: str

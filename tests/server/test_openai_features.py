@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Literal
 
 import httpx
@@ -291,3 +292,32 @@ def test_vllm_metric_names(client: openai.OpenAI, http: httpx.Client):
     assert after["vllm:request_success_total{finished_reason=length,model_name=tiny-llama}"] >= 1
     for gauge in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
         assert after[f"vllm:{gauge}{label}"] == 0
+
+
+def test_vllm_structured_outputs(client: openai.OpenAI):
+    """vLLM's structured_outputs and guided_* parameters: a choice, a regex, a GBNF grammar, a JSON schema."""
+    choices = client.chat.completions.create(model=MODEL, messages=ASK, n=6, seed=1, max_tokens=20,
+                                             extra_body={"structured_outputs": {"choice": ["yes", "no", "né"]}})
+    assert {c.message.content for c in choices.choices} <= {"yes", "no", "né"}
+    assert all(c.finish_reason == "stop" for c in choices.choices)
+    regex = client.completions.create(model=MODEL, prompt="A code:", n=4, seed=2, max_tokens=20,
+                                      extra_body={"guided_regex": r"[0-9]{3}-[a-z]{2}"})
+    assert all(re.fullmatch(r"[0-9]{3}-[a-z]{2}", c.text) for c in regex.choices)
+    gbnf = client.completions.create(model=MODEL, prompt="Answer:", n=4, seed=3, max_tokens=20,
+                                     extra_body={"guided_grammar": 'root ::= ("on" | "off") " " [0-9]'})
+    assert all(re.fullmatch(r"(on|off) [0-9]", c.text) for c in gbnf.choices)
+    schema = client.completions.create(model=MODEL, prompt="Pet:", seed=4, max_tokens=200,
+                                       extra_body={"guided_json": SCHEMA})
+    jsonschema.validate(json.loads(schema.choices[0].text), SCHEMA)
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"guided_regex": "[0-9"}, "guided_regex"),
+    ({"guided_grammar": 'root ::= ( "x'}, "guided_grammar"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs"),
+    ({"guided_choice": ["a"], "response_format": {"type": "json_object"}}, "guided_choice"),
+])
+def test_bad_structured_outputs_are_400(client: openai.OpenAI, extra, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=4, extra_body=extra)
+    assert e.value.param == param
