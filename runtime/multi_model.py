@@ -71,7 +71,7 @@ def start_models(settings: Settings, timeline: Timeline,
     for model in settings.models:
         for device in where[model.name]:
             engine = build(settings.for_model(model), timeline)
-            graphs = _baked_graphs(model_settings(settings, model), unbaked)
+            graphs = _baked_graphs(model_settings(settings, model), timeline, unbaked)
             try:
                 pools[device].add(model.name, engine, graphs)
             except PoolError as exc:
@@ -99,7 +99,7 @@ def model_settings(settings: Settings, model: "ModelRef") -> Settings:
     return per_model.replace(snapshot_dir=settings.snapshot_dir / model.name)
 
 
-def _baked_graphs(settings: Settings, unbaked: dict[str, str]):
+def _baked_graphs(settings: Settings, timeline: Timeline, unbaked: dict[str, str]):
     """The model's materialised graphs (a restorer for the pool), or None with the reason in `unbaked`."""
     from runtime.start_paths import SkipPath
 
@@ -109,7 +109,7 @@ def _baked_graphs(settings: Settings, unbaked: dict[str, str]):
     from snapshots.restore import materialized_state
 
     try:
-        return materialized_state(settings)[1]
+        return materialized_state(settings, timeline)[1]
     except SkipPath as why:
         unbaked[settings.served_model_name] = str(why)
     except Exception as exc:  # a damaged snapshot must not keep the model from starting cold
