@@ -16,7 +16,7 @@
 #   auto:SHAPE          faas-bootstrap with RESTORE=auto on the baked snapshots: the path it took and the
 #                       order faas-build measured (its /health), into $RESULTS/auto-h100-SHAPE.json
 #   serving:SHAPE       scripts/bench_serving.py (throughput, prefix caching, chunked prefill)
-#   switch              faas-bench switch (several models in one instance)
+#   switch              faas-bench switch (several models in one instance; $SWITCH_ARGS added)
 #
 # Results (JSON, PNG, logs, junit) go to $RESULTS (default results/). Each step prints what it runs.
 set -euo pipefail
@@ -127,7 +127,10 @@ serving() {
 
 switch() {
     say "faas-bench switch"
-    "$PY" -m runtime.bench.cli switch --models-dir "$MODELS" --device cuda --out "$RESULTS/switch-h100"
+    # SWITCH_ARGS: more faas-bench switch arguments (--shapes, --rates, --duration, ...)
+    # shellcheck disable=SC2086
+    "$PY" -m runtime.bench.cli switch --models-dir "$MODELS" --device cuda --out "$RESULTS/switch-h100" \
+        ${SWITCH_ARGS:-}
 }
 
 for step in "$@"; do
