@@ -40,10 +40,11 @@ class BakeResult:
 
 
 def bake_snapshots(settings: Settings, model_dir: Path, kinds: Iterable[str] | None = None,
-                   usable: Iterable[str] = KINDS) -> list[BakeResult]:
+                   usable: Iterable[str] | None = None) -> list[BakeResult]:
     """Bake into settings.snapshot_dir. KINDS None means every kind this machine can bake; a kind not in
-    USABLE (a model of a several-model instance) cannot be baked."""
+    USABLE (a model of a several-model instance; None: every kind) cannot be baked."""
     wanted = list(KINDS if kinds is None else kinds)
+    usable = KINDS if usable is None else tuple(usable)
     results = []
     for kind in KINDS:
         if kind not in wanted:
