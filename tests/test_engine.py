@@ -28,8 +28,12 @@ def hf_greedy(model_dir, prompt, n):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
-    return out[0, len(prompt):].tolist(), model
+    # n tokens past any EOS, as the engine's ignore_eos gives them: no stop at EOS (eos_token_id=None), and
+    # not min_new_tokens, which keeps n tokens by forbidding EOS, so another token is chosen where EOS wins
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None)
+    generated = out[0, len(prompt):].tolist()
+    assert len(generated) == n, f"transformers stopped after {len(generated)} of {n} tokens"
+    return generated, model
 
 
 @pytest.mark.parametrize("preset", PRESETS)

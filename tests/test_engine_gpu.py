@@ -7,6 +7,7 @@ import pytest
 from tests.test_engine import (PRESETS, PROMPTS, check_async_scheduling_changes_no_output,
                                check_constraints_in_mixed_batches, check_penalties_match_transformers, collect,
                                hf_greedy, tokens)
+from tests.test_prefix_cache import check_slices_and_prefix_hits_match_transformers
 
 pytestmark = pytest.mark.gpu
 
@@ -57,20 +58,8 @@ def test_penalties_on_the_device_match_transformers(tiny_model, engine_factory):
 def test_prompt_slices_and_prefix_hits_with_cuda_graphs_match_transformers(tiny_model, engine_factory):
     """Slices of 24 tokens through the Triton attention, prompts that find a 32-token prefix cached, and
     decodes on the CUDA graphs, all in the same steps: transformers' greedy tokens."""
-    model_dir = tiny_model("tiny-llama")
-    engine = engine_factory(model_dir, device="cuda", dtype="float32", max_num_seqs=16, max_model_len=256,
-                            max_num_batched_tokens=24, num_kv_blocks=64, gpu_memory_utilization=0.2)
-    prompts = [PROMPTS[7] + p for p in PROMPTS[:5]]  # a 32-token prefix, then 2 to 20 tokens of their own
-    expected = [hf_greedy(model_dir, p, 16)[0] for p in prompts]
-    first = asyncio.run(collect(engine, prompts[0], max_tokens=16, temperature=0))
-
-    async def the_rest():
-        return await asyncio.gather(*[collect(engine, p, max_tokens=16, temperature=0) for p in prompts[1:]])
-
-    rest = asyncio.run(the_rest())
-    assert [tokens(o) for o in [first, *rest]] == expected
-    assert first[-1].cached_tokens == 0 and [o[-1].cached_tokens for o in rest] == [32] * 4
-    assert engine.stats().kv_blocks_used == 0
+    check_slices_and_prefix_hits_match_transformers(tiny_model("tiny-llama"), engine_factory, device="cuda",
+                                                    gpu_memory_utilization=0.2)
 
 
 def test_grammar_masks_and_logit_bias_beside_cuda_graphs(tiny_model, engine_factory):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from runtime.engine import SamplingParams
-from tests.test_engine import collect, hf_greedy, tokens
+from tests.test_engine import PROMPTS, collect, hf_greedy, tokens
 
 PREFIX = [(37 * i + 11) % 500 + 3 for i in range(45)]   # 2 full blocks of 16, and 13 tokens more
 
@@ -104,3 +104,27 @@ def test_a_shared_block_is_never_written(tiny_model, engine_factory):
     assert outs[-1].cached_tokens == 32
     assert [got, tokens(outs)] == expected
     assert all(torch.equal(b, a) for pair_b, pair_a in zip(before, after) for b, a in zip(pair_b, pair_a))
+
+
+def check_slices_and_prefix_hits_match_transformers(model_dir, engine_factory, **engine_config):
+    """Prompts that find a 32-token prefix cached, prefilled in slices of 24 tokens beside the decodes of the
+    others, then decoding together: transformers' greedy tokens, EOS included (ignore_eos goes on past it)."""
+    engine = engine_factory(model_dir, dtype="float32", max_num_seqs=16, max_model_len=256,
+                            max_num_batched_tokens=24, num_kv_blocks=64, **engine_config)
+    prompts = [PROMPTS[7] + p for p in PROMPTS[:5]]  # a 32-token prefix, then 2 to 20 tokens of their own
+    expected = [hf_greedy(model_dir, p, 16)[0] for p in prompts]
+    # the third prompt's greedy answer holds EOS as its second token: what follows is generated past it
+    assert engine.tokenizer.eos_token_ids & set(expected[2])
+    first = asyncio.run(collect(engine, prompts[0], max_tokens=16, temperature=0))
+
+    async def the_rest():
+        return await asyncio.gather(*[collect(engine, p, max_tokens=16, temperature=0) for p in prompts[1:]])
+
+    rest = asyncio.run(the_rest())
+    assert [tokens(o) for o in [first, *rest]] == expected
+    assert first[-1].cached_tokens == 0 and [o[-1].cached_tokens for o in rest] == [32] * 4
+    assert engine.stats().kv_blocks_used == 0
+
+
+def test_prompt_slices_and_prefix_hits_match_transformers(tiny_model, engine_factory):
+    check_slices_and_prefix_hits_match_transformers(tiny_model("tiny-llama"), engine_factory)
