@@ -9,12 +9,12 @@ says why once, and the loader reads from Python (slower on a GPU: docs/weights.m
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from runtime.logs import get_logger
+from runtime.native_library import open_built
 from runtime.weights.errors import WeightsError
 
 if TYPE_CHECKING:
@@ -82,14 +82,8 @@ def native() -> NativeReader | None:
 
 
 def _load() -> NativeReader | None:
-    spec = importlib.util.find_spec("runtime.weights._native_reader")
-    if spec is None or spec.origin is None:
-        log.warning("the native reader was not built (no C compiler at install?): weights are read from Python")
-        return None
-    try:
-        lib = ctypes.CDLL(spec.origin)
-    except OSError as exc:
-        log.warning("the native reader does not load (%s): weights are read from Python", exc)
+    lib = open_built("runtime.weights._native_reader", "the native reader", "weights are read from Python", log)
+    if lib is None:
         return None
     lib.thaw_read.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_void_p]
     lib.thaw_read_to_device.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_ulonglong,

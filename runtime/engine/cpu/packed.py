@@ -10,12 +10,12 @@ the projection computes the same product as the float32 one, up to the order of 
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 from dataclasses import dataclass
 
 import torch
 
 from runtime.logs import get_logger
+from runtime.native_library import open_built
 
 log = get_logger("engine.cpu")
 
@@ -84,14 +84,8 @@ def packed_kernels() -> PackedKernels | None:
 
 
 def _load() -> PackedKernels | None:
-    spec = importlib.util.find_spec("runtime.engine.cpu._packed_gemv")
-    if spec is None or spec.origin is None:
-        log.warning("the packed CPU kernel was not built (no C compiler at install?): weights stay float32")
-        return None
-    try:
-        lib = ctypes.CDLL(spec.origin)
-    except OSError as exc:
-        log.warning("the packed CPU kernel does not load (%s): weights stay float32", exc)
+    lib = open_built("runtime.engine.cpu._packed_gemv", "the packed CPU kernel", "weights stay float32", log)
+    if lib is None:
         return None
     abi = getattr(lib, "thaw_packed_abi", None)
     if abi is None or abi() != ABI:
