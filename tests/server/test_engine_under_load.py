@@ -87,4 +87,4 @@ def test_a_stream_keeps_its_pace_while_a_long_prompt_is_prefilled(sliced_server)
     prefill = finished - started
     gaps = [b - a for a, b in zip([started] + arrivals, arrivals)]
     assert len(arrivals) >= 1200 // 48 // 2, (len(arrivals), prefill)  # a token per two slices at least
-    assert max(gaps) < prefill / 4, (max(gaps), prefill)
+    assert max(gaps) < prefill / 2, (max(gaps), prefill)  # a stream frozen for the prefill waits all of it
