@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-import numpy
 from prometheus_client.parser import text_string_to_metric_families
 
 from runtime.bench import BenchError
@@ -27,12 +26,12 @@ from runtime.bench.client import RequestTiming, stream_completion
 from runtime.bench.instance import Instance
 from runtime.bench.prompt import PromptMaker
 from runtime.bench.switch_models import BenchModel
+from runtime.bench.trace import count_outcomes, record_ttfts
 from runtime.bench.workload import TraceRequest
 from runtime.logs import get_logger
 
 log = get_logger("bench")
 
-_ERRORS_KEPT = 5
 
 
 @dataclass
@@ -85,18 +84,9 @@ async def _timed(send, model: BenchModel, prompt, max_tokens: int) -> tuple[floa
 
 
 def summarise(point: SystemPoint, sent: list[tuple[float, RequestTiming]]) -> SystemPoint:
-    done = [(arrived, t) for arrived, t in sent if t.ok]
-    failed = [t for _, t in sent if not t.ok]
-    point.completed, point.error_count = len(done), len(failed)
-    point.errors = [t.error or "no token" for t in failed[:_ERRORS_KEPT]]
-    if not done:
-        point.status, point.reason = "failed", f"no request completed ({point.errors[:1]})"
-        return point
-    ttfts = [t.first_token_at - arrived for arrived, t in done]
-    point.ttfts_s = [round(x, 6) for x in ttfts]
-    point.ttft_p50_s = round(float(numpy.percentile(ttfts, 50)), 6)
-    point.ttft_p99_s = round(float(numpy.percentile(ttfts, 99)), 6)
-    point.ttft_mean_s = round(float(numpy.mean(ttfts)), 6)
+    done = count_outcomes(point, sent)
+    if done:
+        record_ttfts(point, done)
     return point
 
 

@@ -90,19 +90,32 @@ async def _send(pool: InstancePool, client: httpx.AsyncClient, prompt, max_token
         pool.release(member)
 
 
-def _summarise(point: TracePoint, sent: list[tuple[float, RequestTiming]], start: float) -> None:
+def count_outcomes(point, sent: list[tuple[float, RequestTiming]]) -> list[tuple[float, RequestTiming]]:
+    """Record on POINT (a trace or multi-model trace point) how many requests completed and the first errors;
+    a point where none completed is marked failed. Returns the completed (arrival, timing) pairs."""
     done = [(arrived, t) for arrived, t in sent if t.ok]
     failed = [t for _, t in sent if not t.ok]
     point.completed, point.error_count = len(done), len(failed)
     point.errors = [t.error or "no token" for t in failed[:_ERRORS_KEPT]]
     if not done:
         point.status, point.reason = "failed", f"no request completed ({point.errors[:1]})"
-        return
+    return done
+
+
+def record_ttfts(point, done: list[tuple[float, RequestTiming]]) -> None:
+    """Time to first token, from arrival, of every completed request, with its median, p99 and mean."""
     ttfts = [t.first_token_at - arrived for arrived, t in done]
     point.ttfts_s = [round(x, 6) for x in ttfts]
     point.ttft_p50_s = round(float(numpy.percentile(ttfts, 50)), 6)
     point.ttft_p99_s = round(float(numpy.percentile(ttfts, 99)), 6)
     point.ttft_mean_s = round(float(numpy.mean(ttfts)), 6)
+
+
+def _summarise(point: TracePoint, sent: list[tuple[float, RequestTiming]], start: float) -> None:
+    done = count_outcomes(point, sent)
+    if not done:
+        return
+    record_ttfts(point, done)
     span = max(t.finished_at for _, t in done) - start
     point.throughput_rps = round(len(done) / span, 6)
     point.output_tokens_per_s = round(sum(t.completion_tokens for _, t in done) / span, 3)
