@@ -150,15 +150,16 @@ def start_cold(settings: Settings, timeline: Timeline) -> "Engine":
     return engine
 
 
-def build_fresh(settings: Settings, timeline: Timeline) -> "Engine":
-    """The CPU phase in this process: imports, tokenizer, model structure (not started)."""
+def build_fresh(settings: Settings, timeline: Timeline, device: str | None = None) -> "Engine":
+    """The CPU phase in this process: imports, tokenizer, model structure (not started); for DEVICE (cuda:N in
+    a several-model instance; default: DEVICE resolved)."""
     import runtime.engine.llm_engine  # noqa: F401  torch and the engine: the bulk of runtime_init
     from runtime.launch import build_engine, engine_config
 
     timeline.mark(stages.RUNTIME_INIT)
     with timeline.stage(stages.MODEL_SOURCE, model=settings.model or "embedded"):
         model_dir = resolve_model(settings)
-    return build_engine(model_dir, engine_config(settings), timeline, served_model_name(settings), settings)
+    return build_engine(model_dir, engine_config(settings, device), timeline, served_model_name(settings), settings)
 
 
 # -- the model ---------------------------------------------------------------------------------------------

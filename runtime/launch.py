@@ -25,11 +25,12 @@ def resolve_device(device: str) -> str:
 
 def engine_config(settings: Settings, device: str | None = None) -> EngineConfig:
     device = device or resolve_device(settings.device)
-    dtype = settings.dtype if settings.dtype != "auto" else ("bfloat16" if device == "cuda" else "float32")
+    gpu = device.split(":")[0] == "cuda"
+    dtype = settings.dtype if settings.dtype != "auto" else ("bfloat16" if gpu else "float32")
     return EngineConfig(
         device=device, dtype=dtype, max_model_len=settings.max_model_len,
-        max_num_seqs=settings.max_num_seqs or (256 if device == "cuda" else 16),
-        max_num_batched_tokens=settings.max_num_batched_tokens or (2048 if device == "cuda" else 512),
+        max_num_seqs=settings.max_num_seqs or (256 if gpu else 16),
+        max_num_batched_tokens=settings.max_num_batched_tokens or (2048 if gpu else 512),
         gpu_memory_utilization=settings.gpu_memory_utilization, enforce_eager=settings.enforce_eager,
         async_scheduling=settings.async_scheduling, enable_prefix_caching=settings.enable_prefix_caching,
         cpu_threads=settings.cpu_threads, cpu_packed_weights=settings.cpu_packed_weights)

@@ -9,8 +9,10 @@ With SNAPSHOT_DIR, each model's materialised KV profile and CUDA graphs (faas-bu
 SNAPSHOT_DIR/name) go to the pool with its engine, which rebuilds the graphs at the model's first start
 instead of capturing them; the CRIU paths are not taken (their image holds one model's process).
 
-Devices: the GPU on CUDA, the host on CPU. POOL_CPU_DEVICES=N makes N host pools that stand for N GPUs,
-which is how the placement policies (runtime/server/routing.py) run without a GPU.
+Devices: on CUDA every GPU the process sees (CUDA_VISIBLE_DEVICES chooses them), each with its own pool and
+engines (cuda:0, cuda:1, ...; a lone GPU is plain `cuda`); the host on CPU. POOL_CPU_DEVICES=N makes N host
+pools that stand for N GPUs, which is how the placement policies (runtime/server/routing.py) run without a
+GPU.
 """
 
 from __future__ import annotations
@@ -31,12 +33,19 @@ log = get_logger("multi_model")
 
 
 def pool_devices(settings: Settings, device: str) -> list[str]:
-    """The devices an instance pools: one GPU (the engine runs on the current one), or the host once per
-    POOL_CPU_DEVICES."""
+    """The devices an instance pools: every visible GPU, or the host once per POOL_CPU_DEVICES."""
     if device == "cpu":
         n = settings.pool_cpu_devices
         return ["cpu"] if n == 1 else [f"cpu:{i}" for i in range(n)]
-    return ["cuda"]
+    import torch
+
+    n = torch.cuda.device_count()
+    return ["cuda"] if n == 1 else [f"cuda:{i}" for i in range(n)]
+
+
+def engine_device(pool_device: str) -> str:
+    """The device an engine of POOL_DEVICE runs on: the GPU it names, or the host for a simulated cpu:N."""
+    return "cpu" if pool_device.startswith("cpu") else pool_device
 
 
 def placements(settings: Settings, devices: list[str]) -> dict[str, list[str]]:
@@ -48,9 +57,9 @@ def placements(settings: Settings, devices: list[str]) -> dict[str, list[str]]:
 
 
 def start_models(settings: Settings, timeline: Timeline,
-                 build: Callable[[Settings, Timeline], "Engine"]) -> StartedModels:
-    """Build every model's engines (BUILD: a lone model's CPU phase, for its settings), pool them per device,
-    make the first model resident (blocking)."""
+                 build: Callable[[Settings, Timeline, str], "Engine"]) -> StartedModels:
+    """Build every model's engines (BUILD: a lone model's CPU phase, for its settings and device), pool them
+    per device, make the first model resident (blocking)."""
     import torch
 
     from runtime.launch import resolve_device
@@ -61,8 +70,8 @@ def start_models(settings: Settings, timeline: Timeline,
     devices = pool_devices(settings, device_kind)
     where = placements(settings, devices)
     try:
-        pools = {d: ModelPool(torch.device(device_kind), device_budget(
-            torch.device(device_kind), settings.gpu_memory_utilization, settings.pool_memory_gb),
+        pools = {d: ModelPool(torch.device(engine_device(d)), device_budget(
+            torch.device(engine_device(d)), settings.gpu_memory_utilization, settings.pool_memory_gb),
             settings.pool_eviction) for d in devices}
     except PoolError as exc:
         raise ConfigError(str(exc)) from None
@@ -70,7 +79,7 @@ def start_models(settings: Settings, timeline: Timeline,
     unbaked: dict[str, str] = {}
     for model in settings.models:
         for device in where[model.name]:
-            engine = build(settings.for_model(model), timeline)
+            engine = build(settings.for_model(model), timeline, engine_device(device))
             graphs = _baked_graphs(model_settings(settings, model), timeline, unbaked)
             try:
                 pools[device].add(model.name, engine, graphs)

@@ -42,7 +42,7 @@ def test_switch_smoke_on_cpu(tmp_path):
     out = tmp_path / "out"
     done = faas_bench("switch", "--device", "cpu", "--shapes", "tiny:3", "--models-dir", str(tmp_path / "models"),
                       "--chunk-mb", "1", "--rates", "4", "--duration", "2", "--length-scale", "0.02", "--max-len",
-                      "128", "--idle-timeout", "2", "--timeout", "180", "--out", str(out), timeout=900)
+                      "128", "--idle-timeout", "2", "--timeout", "180", "--gpus", "2", "--out", str(out), timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     latency = json.loads((out / "switch-latency.json").read_text())
     assert [m["name"] for m in latency["models"]] == ["tiny-0", "tiny-1", "tiny-2"]
@@ -59,12 +59,20 @@ def test_switch_smoke_on_cpu(tmp_path):
     assert fresh["tiny-0:cold"]["status"] == "ok" and fresh["tiny-0:transformers"]["status"] == "ok"
     trace = json.loads((out / "multi-model-trace.json").read_text())
     points = {p["system"]: p for p in trace["points"]}
-    assert list(points) == ["pool", "lru", "per-model"]
+    assert list(points) == ["pool", "lru", "pool-affinity", "pool-round-robin", "pool-fixed", "per-model"]
     for p in points.values():
         assert p["status"] == "ok" and p["completed"] == p["requests"] > 0
         assert p["ttft_p50_s"] <= p["ttft_p99_s"] and p["bytes_streamed"] > 0
+    assert list(points["pool"]["devices"]) == ["cpu"]
+    for system in ("pool-affinity", "pool-round-robin", "pool-fixed"):  # two simulated devices, half the memory each
+        devices = points[system]["devices"]
+        assert sorted(devices) == ["cpu:0", "cpu:1"]
+        assert sum(d["bytes_streamed"] for d in devices.values()) == points[system]["bytes_streamed"]
+        assert all(0 < d["pool_used_peak_bytes"] <= trace["pool_bytes"] // 2 for d in devices.values())
+    assert all(d["bytes_streamed"] > 0 for d in points["pool-fixed"]["devices"].values())  # each holds its models
     assert points["per-model"]["switches"] >= 1  # instance starts
     assert (out / "switch.png").read_bytes().startswith(PNG_MAGIC)
     table = (out / "switch.md").read_text()
     assert "| B | state |" in table and "| pool | 4 |" in table and "| per-model | 4 |" in table
+    assert "| pool-fixed | 4 | cpu:1 |" in table
     assert "trace pool at 4/s:" in done.stderr  # progress

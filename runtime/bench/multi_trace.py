@@ -19,10 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
-
 from runtime.bench import BenchError
 from runtime.bench.client import RequestTiming, stream_completion
+from runtime.bench.device_usage import DeviceUsage, UsageSampler, physical_gpus, read_pool_counts
 from runtime.bench.instance import Instance
 from runtime.bench.prompt import PromptMaker
 from runtime.bench.switch_models import BenchModel
@@ -49,6 +48,7 @@ class SystemPoint:
     ttft_mean_s: float | None = None
     switches: int = 0  # pool: times a model was made resident for a request; per-model: instance starts
     bytes_streamed: int = 0  # weight bytes loaded, starts included
+    devices: dict[str, DeviceUsage] = field(default_factory=dict)  # pool: per device (runtime/bench/device_usage.py)
     ttfts_s: list[float] = field(default_factory=list)
 
 
@@ -96,34 +96,31 @@ async def run_pool(system: str, rate: float, workload: list[TraceRequest], picks
                    prompts: PromptMaker, settings: dict[str, str], log_dir: Path, timeout_s: float) -> SystemPoint:
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=256)) as client:
         instance = Instance.spawn("cold", settings, log_dir / f"{system}-{rate:g}.log")
+        sampler = None
         try:
             await instance.wait_ready(client, timeout_s)
-            baseline = await _pool_counts(client, instance.url)
+            baseline = await read_pool_counts(client, instance.url)
+            sampler = UsageSampler(client, instance.url,
+                                   physical_gpus(settings.get("CUDA_VISIBLE_DEVICES"), list(baseline.devices)))
+            sampler.start()
 
             async def send(model: BenchModel, prompt, max_tokens: int) -> RequestTiming:
                 return await stream_completion(client, instance.url, prompt, max_tokens, timeout_s,
                                                every_token=True, model=model.name)
 
             point, sent = await replay(system, rate, workload, picks, prompts, send)
-            switches, loaded = await _pool_counts(client, instance.url)
+            counts = await read_pool_counts(client, instance.url)
         finally:
+            if sampler is not None:
+                await sampler.stop()
             await instance.stop()
-    point.switches = switches - baseline[0]
-    point.bytes_streamed = loaded  # the first model's start included, as each per-model start is
+    sampler.apply(counts)
+    for device, usage in counts.devices.items():
+        usage.switches -= baseline.devices.get(device, DeviceUsage()).switches
+    point.switches = counts.switches
+    point.bytes_streamed = counts.bytes_streamed  # the first model's start included, as each per-model start is
+    point.devices = counts.devices
     return summarise(point, sent)
-
-
-async def _pool_counts(client: httpx.AsyncClient, url: str) -> tuple[int, int]:
-    """(switches, weight bytes loaded) of a several-model instance, from its /metrics."""
-    text = (await client.get(f"{url}/metrics", timeout=30)).text
-    switches = loaded = 0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "thawllm_model_switches_total":
-                switches += int(sample.value)
-            elif sample.name == "thawllm_model_loaded_bytes_total":
-                loaded += int(sample.value)
-    return switches, loaded
 
 
 # -- one instance per model, scaled to zero ----------------------------------------------------------------
@@ -131,12 +128,15 @@ async def _pool_counts(client: httpx.AsyncClient, url: str) -> tuple[int, int]:
 class Fleet:
     """Per model at most one instance, started by its first request and retired after `idle_s` without
     one; at most `capacity` alive at once: a start beyond that first retires the least recently used idle
-    instance, or waits for one to become idle."""
+    instance, or waits for one to become idle. With GPUS (indices), each start goes to the GPU with the fewest
+    instances alive (its CUDA_VISIBLE_DEVICES)."""
 
     def __init__(self, settings: dict[str, dict[str, str]], capacity: int, idle_s: float, client: httpx.AsyncClient,
-                 log_dir: Path, timeout_s: float) -> None:
+                 log_dir: Path, timeout_s: float, gpus: tuple[str, ...] = ()) -> None:
         self.settings, self.capacity, self.idle_s = settings, capacity, idle_s
         self.client, self.log_dir, self.timeout_s = client, log_dir, timeout_s
+        self.gpus = gpus
+        self.gpu_of: dict[str, str] = {}
         self.alive: dict[str, Instance] = {}
         self.ready: dict[str, asyncio.Future] = {}
         self.in_flight: dict[str, int] = {}
@@ -167,7 +167,12 @@ class Fleet:
 
     async def _start(self, model: str) -> Instance:
         self.starts.append(model)
-        instance = Instance.spawn("cold", self.settings[model], self.log_dir / f"per-model-{len(self.starts)}.log")
+        settings = self.settings[model]
+        if self.gpus:
+            alive = [self.gpu_of[m] for m in self.alive]
+            self.gpu_of[model] = min(self.gpus, key=alive.count)
+            settings = {**settings, "CUDA_VISIBLE_DEVICES": self.gpu_of[model]}
+        instance = Instance.spawn("cold", settings, self.log_dir / f"per-model-{len(self.starts)}.log")
         self.alive[model] = instance
         await instance.wait_ready(self.client, self.timeout_s)
         return instance
@@ -198,9 +203,9 @@ class Fleet:
 
 async def run_per_model(rate: float, workload: list[TraceRequest], picks: list[BenchModel], prompts: PromptMaker,
                         settings: dict[str, dict[str, str]], capacity: int, idle_s: float, log_dir: Path,
-                        timeout_s: float) -> SystemPoint:
+                        timeout_s: float, gpus: tuple[str, ...] = ()) -> SystemPoint:
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=256)) as client:
-        fleet = Fleet(settings, capacity, idle_s, client, log_dir, timeout_s)
+        fleet = Fleet(settings, capacity, idle_s, client, log_dir, timeout_s, gpus)
         scaler = asyncio.create_task(fleet.scale_to_zero())
 
         async def send(model: BenchModel, prompt, max_tokens: int) -> RequestTiming:

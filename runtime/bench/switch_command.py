@@ -25,6 +25,7 @@ from runtime.bench.switch import STATES, InstanceProbe, SwitchProbe, probe, prob
 from runtime.bench.switch_models import BenchModel, make_models
 from runtime.bench.workload import WorkloadShape, make_workload
 from runtime.logs import get_logger
+from runtime.server.routing import POLICIES
 
 log = get_logger("bench")
 
@@ -152,15 +153,17 @@ def probe_table(probes: list[SwitchProbe], fresh: dict[str, ModeResult]) -> str:
 
 async def _trace(args, base: dict[str, str], models: list[BenchModel], prompts: PromptMaker,
                  settings: dict[str, str], pool_bytes: int, log_dir: Path) -> list[SystemPoint]:
-    systems = [("pool", {"POOL_EVICTION": "cost"}), ("lru", {"POOL_EVICTION": "lru"})]
-    if args.gpus > 1:
-        devices = _devices(args.gpus, settings.get("DEVICE", "auto"))
-        systems += [(f"pool-{p}", {**devices, "PLACEMENT": p}) for p in ("affinity", "round-robin", "fixed")]
+    device = settings.get("DEVICE", "auto")
+    one = _one_device(args.gpus, device)
+    systems = [("pool", {**one, "POOL_EVICTION": "cost"}), ("lru", {**one, "POOL_EVICTION": "lru"})]
+    if args.gpus > 1:  # the same memory in all, spread over the devices: what several devices add is the rest
+        spread = {**_devices(args.gpus, device), **pool_budget(pool_bytes // args.gpus, device)}
+        systems += [(f"pool-{p}", {**spread, "PLACEMENT": p}) for p in POLICIES]
     largest = max(m.nbytes for m in models)
     capacity = max(1, pool_bytes // int(largest * 1.25))  # a model and its KV cache per instance
-    per_model = {m.name: {**settings, "MODEL": str(m.layout_dir),
-                          **_instance_budget(pool_bytes // capacity, settings.get("DEVICE", "auto"))}
+    per_model = {m.name: {**settings, "MODEL": str(m.layout_dir), **_instance_budget(pool_bytes // capacity, device)}
                  for m in models}
+    gpus = tuple(str(i) for i in range(args.gpus)) if device != "cpu" and args.gpus > 1 else ()
     points = []
     for rate in args.rates:
         shape = WorkloadShape(rate, args.duration, args.prompt_mean * args.length_scale,
@@ -173,15 +176,20 @@ async def _trace(args, base: dict[str, str], models: list[BenchModel], prompts: 
                                          args.timeout))
         log.info("trace: per-model (at most %d instances) at %g requests/s", capacity, rate)
         points.append(await run_per_model(rate, workload, picks, prompts, per_model, capacity, args.idle_timeout,
-                                          log_dir, args.timeout))
+                                          log_dir, args.timeout, gpus))
     return points
 
 
 def _devices(n: int, device: str) -> dict[str, str]:
-    if device != "cpu":
-        raise BenchError("--gpus: an engine runs on one GPU per process today, so several devices are measured "
-                         "on cpu (POOL_CPU_DEVICES); pass --device cpu")
-    return {"POOL_CPU_DEVICES": str(n)}
+    """The settings of an instance pooling N devices: the first N GPUs, or N simulated ones on cpu."""
+    if device == "cpu":
+        return {"POOL_CPU_DEVICES": str(n)}
+    return {"CUDA_VISIBLE_DEVICES": ",".join(str(i) for i in range(n))}
+
+
+def _one_device(n: int, device: str) -> dict[str, str]:
+    """The settings that keep an instance on one device of a machine with N (a pool takes every GPU it sees)."""
+    return {"CUDA_VISIBLE_DEVICES": "0"} if device != "cpu" and n > 1 else {}
 
 
 def _instance_budget(nbytes: int, device: str) -> dict[str, str]:
@@ -200,7 +208,23 @@ def trace_table(points: list[SystemPoint]) -> str:
             cells = [p.system, f"{p.rate:g}", str(p.requests), str(p.completed), f"{p.ttft_p50_s:.3f}",
                      f"{p.ttft_p99_s:.3f}", str(p.switches), f"{p.bytes_streamed / GiB:.2f}"]
         rows.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
-    return "\n".join(rows)
+    return "\n".join(rows + _device_rows(points))
+
+
+def _device_rows(points: list[SystemPoint]) -> list[str]:
+    """Per device of each pooled system that ran on several: streamed bytes, switches, the most its pool and
+    (on a GPU) the GPU held."""
+    several = [p for p in points if p.status == "ok" and len(p.devices) > 1]
+    if not several:
+        return []
+    head = ["system", "rate (req/s)", "device", "switches", "streamed (GiB)", "pool peak (GiB)", "GPU memory peak (GiB)"]
+    rows = ["", "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for p in several:
+        for device, u in sorted(p.devices.items()):
+            gpu = "-" if u.gpu_memory_peak_bytes is None else f"{u.gpu_memory_peak_bytes / GiB:.2f}"
+            rows.append(f"| {p.system} | {p.rate:g} | {device} | {u.switches} | {u.bytes_streamed / GiB:.2f} | "
+                        f"{u.pool_used_peak_bytes / GiB:.2f} | {gpu} |")
+    return rows
 
 
 def _num(value: float | None, digits: int = 3) -> str:

@@ -31,5 +31,10 @@ class EngineConfig:
         return asdict(self)
 
     @property
+    def on_cuda(self) -> bool:
+        """`cuda` (the current GPU) or `cuda:N` (GPU N: a several-model instance gives each GPU its engines)."""
+        return self.device.split(":")[0] == "cuda"
+
+    @property
     def use_cuda_graphs(self) -> bool:
-        return self.device == "cuda" and not self.enforce_eager
+        return self.on_cuda and not self.enforce_eager

@@ -134,7 +134,7 @@ class Engine:
             model_config = ModelConfig.from_dir(model_dir)
             engine = cls(model_dir, model_config, tokenizer, config, load_weights, timeline,
                          model_name or model_dir.name)
-        if config.device == "cuda":
+        if config.on_cuda:
             from runtime.engine.kernels import prepare_kernels
 
             with timeline.stage(stages.KERNEL_PREP):
@@ -159,6 +159,7 @@ class Engine:
         with t.stage(stages.CUDA_INIT, device=self.config.device):
             device = torch.device(self.config.device)
             if device.type == "cuda":
+                _use_device(device)
                 torch.cuda.init()
                 torch.empty(1, device=device)
             else:
@@ -231,6 +232,7 @@ class Engine:
                 graph_stage.detail["pending"] = len(pending)
 
     def _restore_pending_graphs(self, restorer: GraphRestorer) -> None:
+        _use_device(self.runner.device)
         sizes = list(restorer.pending)
         with self.timeline.stage(stages.GRAPHS_AFTER_READY, graphs=len(sizes)) as stage:
             try:
@@ -339,7 +341,7 @@ class Engine:
         self.ready = False
         self.runner = None
         self.model = build_on_meta(self.model_config)  # drop the parameters' views of the weight buffer
-        if self.config.device == "cuda":
+        if self.config.on_cuda:
             import gc
 
             gc.collect()
@@ -367,6 +369,7 @@ class Engine:
     # -- the step loop (engine thread) -------------------------------------------------------------
 
     def _run(self) -> None:
+        _use_device(self.runner.device)
         stalled = False
         while True:
             idle = not self.scheduler.has_work() and self._in_flight is None
@@ -514,3 +517,10 @@ def _deliver(request: _Request, item: RequestOutput | BaseException) -> None:
         request.loop.call_soon_threadsafe(request.outputs.put_nowait, item)
     except RuntimeError:  # the caller's event loop is gone; nobody is listening any more
         pass
+
+
+def _use_device(device: torch.device) -> None:
+    """Make DEVICE the calling thread's current GPU when it names one (cuda:N): the current device is per
+    thread, and the kernels (Triton's, cuBLAS's) and torch's argument-less calls act on it."""
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)

@@ -11,6 +11,7 @@ How a switch proceeds and why is in docs/multi-model.md.
 from __future__ import annotations
 
 import dataclasses
+import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
@@ -94,6 +95,9 @@ class ModelPool:
         self._last_active: str | None = None
         self._granule = _granule(self.device)
         self._headroom = 0
+        # what torch's allocator held when the pool was made is outside its budget already (device_budget
+        # takes the device's used memory off); only what it holds beyond that is charged to the pool
+        self._torch_base = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
 
     # -- models ------------------------------------------------------------------------------------
 
@@ -149,7 +153,7 @@ class ModelPool:
         """Make NAME fully resident (starting its engine on the first call), evicting retained groups of
         models without requests in flight when the pool is short. Blocking; raises PoolError if it cannot
         fit now (other models' requests hold the memory)."""
-        with self._switching:
+        with self._switching, _current_device(self.device):
             began = time.perf_counter()
             m = self._model(name)
             first = not m.started
@@ -347,11 +351,12 @@ class ModelPool:
         return self.budget_bytes - sum(o.used_bytes() for o in self._models.values()) - self._torch_bytes()
 
     def _torch_bytes(self) -> int:
-        """On CUDA, what torch's allocator holds for every engine (graph pools, decode buffers, activations),
-        and at least room for the largest step's activations: the pool cannot see those grow."""
+        """On CUDA, what torch's allocator holds for every engine (graph pools, decode buffers, activations)
+        beyond what it held when the pool was made, and at least room for the largest step's activations: the
+        pool cannot see those grow."""
         if self.device.type != "cuda":
             return 0
-        return max(torch.cuda.memory_reserved(self.device), self._headroom)
+        return max(torch.cuda.memory_reserved(self.device) - self._torch_base, self._headroom)
 
     def _model(self, name: str) -> ModelMemory:
         m = self._models.get(name)
@@ -373,6 +378,10 @@ class ModelPool:
 
     def shutdown(self) -> None:
         """Stop every started engine and give all the pool's memory back."""
+        with _current_device(self.device):
+            self._shutdown()
+
+    def _shutdown(self) -> None:
         for name, m in self._models.items():
             engine = self._engines[name]
             if m.started:
@@ -429,6 +438,14 @@ def _group_shares(m: ModelMemory) -> dict[int, int]:
         for g in owners:
             share[g] += s.nbytes // len(owners)
     return share
+
+
+def _current_device(device: torch.device):
+    """DEVICE as the calling thread's current GPU while it works on this pool (the engine's start, the
+    loader, the synchronisations before an unmap act on the current device), when the pool's GPU is named."""
+    if device.type == "cuda" and device.index is not None:
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
 
 
 def _is_idle(engine) -> bool:

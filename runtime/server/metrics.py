@@ -196,13 +196,16 @@ def _pool_metrics(state: Instance) -> Iterable[Metric]:
     switches = CounterMetricFamily("thawllm_model_switches", "Times a model was made resident for a request",
                                    labels=labels)
     free = GaugeMetricFamily("thawllm_pool_free_bytes", "Bytes of a device pool holding nothing", labels=["device"])
+    used = GaugeMetricFamily("thawllm_pool_used_bytes", "Bytes of a device pool in use: weights, KV caches and the "
+                             "engines' own buffers", labels=["device"])
     for device, slot in state.models.slots.items():
         stats = slot.pool.stats()
         free.add_metric([device], stats.free_bytes)
+        used.add_metric([device], stats.used_bytes)
         for name, m in stats.models.items():
             resident.add_metric([name, device], m.resident_bytes)
             retained.add_metric([name, device], m.retained_bytes)
             total.add_metric([name, device], m.total_bytes)
             loads.add_metric([name, device], m.loads)
             switches.add_metric([name, device], m.switches)
-    yield from (resident, retained, total, loads, switches, free)
+    yield from (resident, retained, total, loads, switches, free, used)

@@ -100,6 +100,7 @@ class DeviceSlot:
                 raise
             except Exception as exc:
                 if not self._others_in_flight(model):
+                    log.exception("%s: model %s cannot be made resident", self.device, model)
                     raise APIError(503, f"model `{model}` cannot be made resident on {self.device}: {exc}",
                                    code="model_unavailable", type="server_error") from None
                 # room is held by other models' requests: the next one to finish may free it

@@ -11,7 +11,8 @@ from tests.server.test_multi_model import PROMPTS, complete, http_get, model_lis
 pytestmark = pytest.mark.gpu
 
 TWO = ("tiny-llama", "tiny-qwen3")
-ENGINE = {"DEVICE": "cuda", "MAX_MODEL_LEN": "256", "MAX_NUM_SEQS": "4"}
+# one GPU: a several-model instance pools every GPU it sees (tests/server/test_multi_gpu.py takes two)
+ENGINE = {"DEVICE": "cuda", "MAX_MODEL_LEN": "256", "MAX_NUM_SEQS": "4", "CUDA_VISIBLE_DEVICES": "0"}
 
 
 def test_several_models_on_the_gpu_answer_as_each_alone(tmp_path, tiny_model):
