@@ -51,7 +51,8 @@ class Constraints:
         if grammar_rows:
             masks = np.zeros((len(grammar_rows), mask_words(logits.shape[1])), dtype=np.int32)
             for row, i in enumerate(grammar_rows):
-                seqs[i].grammar.fill_mask(masks, row)
+                seq = seqs[i]  # a grammar's sequence never has a PENDING token (it does not run ahead)
+                seq.grammar.fill_mask(masks, row, seq.params.max_tokens - len(seq.output_ids))
             apply_masks(logits, grammar_rows, torch.from_numpy(masks))
 
     def _stop_ids(self, params: SamplingParams) -> list[int]:

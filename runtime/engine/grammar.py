@@ -2,8 +2,18 @@
 becomes a matcher that says, before each token, which tokens may come next, and follows the tokens chosen.
 
 llguidance is imported on the first request that uses a grammar, never on the start path. A grammar is
-compiled once per distinct source and kept (least recently used first out); each request gets a copy of
-the compiled matcher, which costs microseconds.
+compiled once per distinct source and kept (least recently used first out), with the shortest plan found
+from its start (runtime/engine/closing.py); each request gets a copy of the compiled matcher, which costs
+microseconds.
+
+A matcher also keeps the output closable within its token budget: it carries a plan, tokens that would
+complete the grammar from where the output is, and keeps it no longer than the tokens left. Each step it
+checks that the plan still completes the grammar after the token chosen (a few microseconds a plan token;
+the mask itself takes hundreds), and looks for a new one only when that token broke it. Once fewer than
+`NEAR` tokens are left to spare over the plan, the mask allows only the closing tokens after which a plan
+still fits; a token chosen from the full mask that leaves no plan within the budget (one that opens more
+than the spare tokens can close) is replaced by the plan's first token. The output then ends complete, and
+`steered` says the budget, not the model, ended it.
 """
 
 from __future__ import annotations
@@ -15,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from runtime.engine.closing import MAX_PLAN, ClosingTokens, candidates, greedy_plan, shortest_plan
 from runtime.engine.sampling_params import GrammarSpec, InvalidParams
 
 if TYPE_CHECKING:
@@ -25,6 +36,9 @@ CACHE_SIZE = 256
 #: JSON as Python's json.dumps writes it: ", " and ": ", and no other whitespace. Free whitespace lets a
 #: weak model fill max_tokens with spaces and newlines before the first key.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+#: spare tokens over the plan below which only closing tokens are allowed: a few, so that the model itself
+#: closes what it has open before the substitution (its last resort) has to
+NEAR = 4
 
 
 class GrammarCompiler:
@@ -35,7 +49,8 @@ class GrammarCompiler:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._ll_tokenizer: Any = None
-        self._compiled: OrderedDict[GrammarSpec, Any] = OrderedDict()
+        self._closing: ClosingTokens | None = None
+        self._compiled: OrderedDict[GrammarSpec, tuple[Any, list[int] | None]] = OrderedDict()
         self._lock = threading.Lock()
 
     def matcher(self, spec: GrammarSpec) -> "Matcher":
@@ -45,12 +60,21 @@ class GrammarCompiler:
             if compiled is not None:
                 self._compiled.move_to_end(spec)
         if compiled is None:
-            compiled = self._compile(spec)
+            matcher = self._compile(spec)
+            compiled = matcher, shortest_plan(matcher.deep_copy(), self._closing_tokens())
             with self._lock:
                 self._compiled[spec] = compiled
                 while len(self._compiled) > CACHE_SIZE:
                     self._compiled.popitem(last=False)
-        return Matcher(compiled.deep_copy())
+        matcher, plan = compiled
+        return Matcher(matcher.deep_copy(), self._closing_tokens(), plan)
+
+    def _closing_tokens(self) -> ClosingTokens:
+        tokenizer = self._llg_tokenizer()
+        with self._lock:
+            if self._closing is None:
+                self._closing = ClosingTokens.of(tokenizer, self._vocab_size, self._tokenizer.grammar_eos_token_id)
+            return self._closing
 
     def _compile(self, spec: GrammarSpec) -> Any:
         from llguidance import LLMatcher
@@ -95,25 +119,85 @@ class GrammarCompiler:
 
 
 class Matcher:
-    """One request's position in its grammar."""
+    """One request's position in its grammar, and a plan to complete it within the tokens left."""
 
-    def __init__(self, matcher: Any) -> None:
+    def __init__(self, matcher: Any, closing: ClosingTokens, plan: list[int] | None) -> None:
         self._m = matcher
+        self._closing = closing
+        self.plan = plan  # None: no plan was found (the budget cannot be kept: the output may end cut)
+        self.steered = False
+        self._followed: dict[int, tuple[Any, list[int]]] = {}  # the closing tokens the last mask allowed
 
-    def fill_mask(self, masks: np.ndarray, index: int) -> None:
-        """Write the allowed next tokens into row `index` of `masks` [rows, words] (int32), one bit per token."""
+    @property
+    def shortest(self) -> int | None:
+        """Tokens in the shortest output found from here (None: none found)."""
+        return len(self.plan) if self.plan is not None else None
+
+    def fill_mask(self, masks: np.ndarray, index: int, left: int) -> None:
+        """Write the allowed next tokens into row `index` of `masks` [rows, words] (int32), one bit per token,
+        `left` tokens being left to the output (this one included)."""
         from llguidance.numpy import fill_next_token_bitmask
 
-        fill_next_token_bitmask(self._m, masks, index)
+        self._followed = {}
+        if self.plan is None or left - len(self.plan) >= NEAR:
+            fill_next_token_bitmask(self._m, masks, index)
+            return
+        self.steered = True
+        masks[index] = 0
+        bits = masks.view(np.uint32)
+        for token in dict.fromkeys(self.plan[:1] + candidates(self._m, self._closing)):
+            followed = self._follow(token, left - 1, search=False)
+            if followed is not None and _fits(followed[1], left - 1):
+                self._followed[token] = followed
+                bits[index, token >> 5] |= np.uint32(1 << (token & 31))
+        if not self._followed:  # nothing closes (no end-of-sequence token to end an accepting output with)
+            fill_next_token_bitmask(self._m, masks, index)
 
-    def accept(self, token_id: int) -> bool:
-        """Follow a sampled token; False if the grammar rejects it (a token its mask allowed never is)."""
-        return self._m.consume_token(token_id)
+    def accept(self, token_id: int, left: int) -> int | None:
+        """Follow a sampled token, `left` tokens being left to the output after it. Returns the token taken:
+        the plan's first one where `token_id` leaves no way to finish within `left`; None if the grammar
+        rejects it (a token its mask allowed never is)."""
+        if self.plan is None:
+            return token_id if self._m.consume_token(token_id) else None
+        followed = self._followed.pop(token_id, None) or self._follow(token_id, left)
+        self._followed = {}
+        if followed is None:
+            return None
+        substitute = self.plan[0] if self.plan else self._closing.eos
+        if not _fits(followed[1], left) and substitute is not None:
+            self.steered = True
+            token_id, followed = substitute, self._follow(substitute, left, search=False)
+        self._m, self.plan = followed
+        return token_id
+
+    def _follow(self, token_id: int, left: int, search: bool = True) -> tuple[Any, list[int] | None] | None:
+        """The state after `token_id` and a plan from there (None: none found); None if the grammar rejects
+        the token. The plan is the current one's rest, or the current one where the token left it valid, else
+        a greedy walk's; with `search`, the shortest found where that might not fit `left`. (The closing
+        tokens a restricted mask weighs are not searched from: each would cost a search, and the plan's own
+        next token always fits.)"""
+        after = self._m.deep_copy()
+        if not after.consume_token(token_id):
+            return None
+        plan = self.plan
+        if plan and token_id == plan[0]:
+            return after, plan[1:]
+        probe = after.deep_copy()
+        if not (probe.consume_tokens(plan) and probe.is_accepting()):
+            plan = greedy_plan(after.deep_copy(), self._closing)
+        if search and not _fits(plan, left - NEAR):
+            shorter = shortest_plan(after, self._closing, len(plan) - 1 if plan is not None else MAX_PLAN)
+            plan = shorter if shorter is not None else plan
+        return after, plan
 
     @property
     def done(self) -> bool:
         """The grammar is complete and takes nothing more (but the end of the sequence)."""
         return self._m.is_stopped()
+
+
+def _fits(plan: list[int] | None, left: int) -> bool:
+    return plan is not None and len(plan) <= left
 
 
 def mask_words(vocab_size: int) -> int:

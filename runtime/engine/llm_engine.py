@@ -292,6 +292,10 @@ class Engine:
         seq = Sequence(request_id, prompt_ids, params)
         if params.grammar is not None:  # compiled off the event loop: a new schema takes milliseconds
             seq.grammar = await asyncio.to_thread(self.grammars.matcher, params.grammar)
+            shortest = seq.grammar.shortest
+            if shortest is not None and shortest > params.max_tokens:
+                raise InvalidParams("max_tokens", f"max_tokens is {params.max_tokens}, but the shortest output that "
+                                    f"follows '{params.grammar.param}' takes {shortest} tokens")
         request = _Request(seq,
                            OutputText(self.tokenizer, prompt_ids, params.stop),
                            asyncio.get_running_loop(), asyncio.Queue(), stop_ids)
@@ -461,18 +465,24 @@ class Engine:
 
     def _append_token(self, request: _Request, index: int, token: SampledToken) -> None:
         seq = request.seq
-        seq.output_ids[index] = token.token_id
         count = index + 1
+        if seq.grammar is not None:
+            taken = seq.grammar.accept(token.token_id, seq.params.max_tokens - count)
+            if taken is None:
+                self._fail(seq.request_id, RuntimeError(f"the grammar rejected token {token.token_id}"))
+                return
+            if taken != token.token_id:  # the sampled token left no room to complete the grammar
+                token = SampledToken(taken)
+        seq.output_ids[index] = token.token_id
         reason = None
         if token.token_id in request.stop_ids:
             reason = "stop"
-        elif seq.grammar is not None and not seq.grammar.accept(token.token_id):
-            self._fail(seq.request_id, RuntimeError(f"the grammar rejected token {token.token_id}"))
-            return
         elif request.text.add_token(token.token_id) or (seq.grammar is not None and seq.grammar.done):
             reason = "stop"
         elif count >= seq.params.max_tokens or seq.num_prompt_tokens + count >= self.max_model_len:
             reason = "length"
+        if reason is not None and seq.grammar is not None and seq.grammar.steered:
+            reason = "length"  # complete, but closed early because the budget ran out
         logprobs = None
         if seq.params.logprobs is not None:
             text_of, bytes_of = self.tokenizer.token_text, self.tokenizer.token_bytes

@@ -14,7 +14,8 @@ class RequestCut(RuntimeError):
 class TokenLogprob:
     token_id: int
     token: str
-    logprob: float
+    # None: the token was put in, not sampled (a grammar's closing, runtime/engine/grammar.py)
+    logprob: float | None
     # the most likely tokens at this step, as (token_id, token text, logprob), when asked for
     top: list[tuple[int, str, float]] = field(default_factory=list)
     # the token's own bytes (`token` cannot hold a part of a UTF-8 character), and those of each of `top`

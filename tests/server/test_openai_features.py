@@ -85,9 +85,59 @@ def test_json_object_on_completions_and_a_cut_answer_ends_with_length(client: op
         assert isinstance(json.loads(text), dict)
     else:
         assert r.choices[0].finish_reason == "length" and text.startswith("{")
-    cut = client.chat.completions.create(model=MODEL, messages=CHAT, response_format=JSON_SCHEMA, max_tokens=5,
-                                         seed=1)
-    assert cut.choices[0].finish_reason == "length" and '{"name": "'.startswith(cut.choices[0].message.content)
+    cut = client.completions.create(model=MODEL, prompt="A JSON object:", max_tokens=6, seed=3, temperature=0.7,
+                                    extra_body={"response_format": {"type": "json_object"}})
+    assert cut.choices[0].finish_reason == "length" and isinstance(json.loads(cut.choices[0].text), dict)
+
+
+#: nested objects, an array and enums, short enough to close: its shortest document is some 30 tokens
+CLOSABLE = {
+    "type": "object", "additionalProperties": False, "required": ["k", "t", "o"],
+    "properties": {
+        "k": {"enum": ["a", "b", 1]},
+        "t": {"type": "array", "maxItems": 2, "items": {"enum": ["x", "yy"]}},
+        "o": {"type": "object", "additionalProperties": False, "required": ["n"],
+              "properties": {"n": {"type": "boolean"}, "s": {"type": "string"}}},
+    },
+}
+
+
+def _shortest(client: openai.OpenAI, fmt: dict) -> int:
+    """The fewest tokens the server says the schema takes, from its 400 for max_tokens=1."""
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=CHAT, response_format=fmt, max_tokens=1)
+    assert err.value.body["param"] == "max_tokens"
+    return int(re.search(r"takes (\d+) tokens", err.value.body["message"]).group(1))
+
+
+def test_a_cut_schema_output_is_closed_complete_and_valid(client: openai.OpenAI):
+    """From the shortest document's length up, streamed and not and across seeds, every answer parses and
+    validates; an answer cut by max_tokens says `length`; one token less than the shortest is a 400."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "closable", "schema": CLOSABLE, "strict": True}}
+    shortest = _shortest(client, fmt)
+    assert 10 < shortest < 60
+    with pytest.raises(openai.BadRequestError, match="shortest output"):
+        client.chat.completions.create(model=MODEL, messages=CHAT, response_format=fmt, max_tokens=shortest - 1)
+    for max_tokens in range(shortest, shortest + 10):
+        for seed in (1, 2, 3):
+            r = client.chat.completions.create(model=MODEL, messages=CHAT, response_format=fmt, seed=seed,
+                                               temperature=1.0, max_tokens=max_tokens)
+            choice = r.choices[0]
+            jsonschema.validate(json.loads(choice.message.content), CLOSABLE)
+            assert r.usage.completion_tokens <= max_tokens
+            assert choice.finish_reason == "length" or r.usage.completion_tokens < max_tokens
+        chat = list(client.chat.completions.create(model=MODEL, messages=CHAT, response_format=fmt, seed=4,
+                                                   max_tokens=max_tokens, stream=True))
+        plain = list(client.completions.create(model=MODEL, prompt="A JSON object:", max_tokens=max_tokens, seed=5,
+                                               stream=True, extra_body={"response_format": fmt}))
+        for text, reasons in (("".join(c.choices[0].delta.content or "" for c in chat),
+                               [c.choices[0].finish_reason for c in chat if c.choices[0].finish_reason]),
+                              ("".join(c.choices[0].text for c in plain),
+                               [c.choices[0].finish_reason for c in plain if c.choices[0].finish_reason])):
+            jsonschema.validate(json.loads(text), CLOSABLE)
+            assert reasons in (["length"], ["stop"])
+    exact = client.chat.completions.create(model=MODEL, messages=CHAT, response_format=fmt, seed=1, max_tokens=shortest)
+    assert exact.choices[0].finish_reason == "length" and exact.usage.completion_tokens == shortest
 
 
 class Owner(BaseModel):
@@ -106,7 +156,7 @@ def test_parse_with_a_pydantic_model(client: openai.OpenAI):
     r = client.chat.completions.parse(model=MODEL, messages=CHAT, response_format=Pet, max_tokens=200, seed=5)
     pet = r.choices[0].message.parsed
     assert isinstance(pet, Pet) and isinstance(pet.owner, Owner) and pet.kind in ("cat", "dog")
-    with pytest.raises(openai.LengthFinishReasonError):
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):  # shorter than any Pet
         client.chat.completions.parse(model=MODEL, messages=CHAT, response_format=Pet, max_tokens=4, seed=5)
 
 
