@@ -22,6 +22,7 @@ from runtime import timeline as stages
 from runtime.config import ConfigError
 from runtime.engine.allocator import MemoryProvider
 from runtime.engine.block_manager import BlockManager
+from runtime.cuda_driver.device import use_device
 from runtime.engine.cpu.threads import cpu_threads
 from runtime.engine.detokenizer import OutputText
 from runtime.engine.engine_config import EngineConfig
@@ -159,7 +160,7 @@ class Engine:
         with t.stage(stages.CUDA_INIT, device=self.config.device):
             device = torch.device(self.config.device)
             if device.type == "cuda":
-                _use_device(device)
+                use_device(device)
                 torch.cuda.init()
                 torch.empty(1, device=device)
             else:
@@ -232,7 +233,7 @@ class Engine:
                 graph_stage.detail["pending"] = len(pending)
 
     def _restore_pending_graphs(self, restorer: GraphRestorer) -> None:
-        _use_device(self.runner.device)
+        use_device(self.runner.device)
         sizes = list(restorer.pending)
         with self.timeline.stage(stages.GRAPHS_AFTER_READY, graphs=len(sizes)) as stage:
             try:
@@ -373,7 +374,7 @@ class Engine:
     # -- the step loop (engine thread) -------------------------------------------------------------
 
     def _run(self) -> None:
-        _use_device(self.runner.device)
+        use_device(self.runner.device)
         stalled = False
         while True:
             idle = not self.scheduler.has_work() and self._in_flight is None
@@ -528,9 +529,3 @@ def _deliver(request: _Request, item: RequestOutput | BaseException) -> None:
     except RuntimeError:  # the caller's event loop is gone; nobody is listening any more
         pass
 
-
-def _use_device(device: torch.device) -> None:
-    """Make DEVICE the calling thread's current GPU when it names one (cuda:N): the current device is per
-    thread, and the kernels (Triton's, cuBLAS's) and torch's argument-less calls act on it."""
-    if device.type == "cuda" and device.index is not None:
-        torch.cuda.set_device(device)

@@ -14,6 +14,7 @@ import torch
 from runtime.engine.allocator import DeviceAllocator, MemoryProvider
 from runtime.engine.attention_metadata import AttentionMetadata
 from runtime.engine.block_manager import BlockManager
+from runtime.engine.capture_guard import collection_paused
 from runtime.engine.decode_inputs import DecodeBuffers, DecodeStaging
 from runtime.engine.engine_config import EngineConfig
 from runtime.engine.layers.rotary import cos_sin_table, inverse_frequencies
@@ -196,7 +197,8 @@ class ModelRunner:
             graph = torch.cuda.CUDAGraph(keep_graph=keep_graphs)
             # thread_local: the weight loader's threads may still be streaming (materialised start), and a
             # global capture would fail their pinned allocations and event waits
-            with torch.cuda.graph(graph, pool=self.graph_pool, capture_error_mode="thread_local"):
+            with collection_paused(), torch.cuda.graph(graph, pool=self.graph_pool,
+                                                       capture_error_mode="thread_local"):
                 self._graph_forward(bs)
             if keep_graphs:
                 graph.instantiate()

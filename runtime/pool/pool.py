@@ -11,7 +11,6 @@ How a switch proceeds and why is in docs/multi-model.md.
 from __future__ import annotations
 
 import dataclasses
-import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from typing import Callable
 import torch
 
 from runtime import timeline as stages
+from runtime.cuda_driver.device import use_device
 from runtime.logs import get_logger
 from runtime.pool.backing import make_backing
 from runtime.pool.errors import PoolError
@@ -153,7 +153,8 @@ class ModelPool:
         """Make NAME fully resident (starting its engine on the first call), evicting retained groups of
         models without requests in flight when the pool is short. Blocking; raises PoolError if it cannot
         fit now (other models' requests hold the memory)."""
-        with self._switching, _current_device(self.device):
+        with self._switching:
+            use_device(self.device)  # this thread's work for the pool (start, loads, unmaps) is on its GPU
             began = time.perf_counter()
             m = self._model(name)
             first = not m.started
@@ -378,8 +379,8 @@ class ModelPool:
 
     def shutdown(self) -> None:
         """Stop every started engine and give all the pool's memory back."""
-        with _current_device(self.device):
-            self._shutdown()
+        use_device(self.device)
+        self._shutdown()
 
     def _shutdown(self) -> None:
         for name, m in self._models.items():
@@ -438,14 +439,6 @@ def _group_shares(m: ModelMemory) -> dict[int, int]:
         for g in owners:
             share[g] += s.nbytes // len(owners)
     return share
-
-
-def _current_device(device: torch.device):
-    """DEVICE as the calling thread's current GPU while it works on this pool (the engine's start, the
-    loader, the synchronisations before an unmap act on the current device), when the pool's GPU is named."""
-    if device.type == "cuda" and device.index is not None:
-        return torch.cuda.device(device)
-    return contextlib.nullcontext()
 
 
 def _is_idle(engine) -> bool:

@@ -18,6 +18,7 @@ import os
 from typing import TYPE_CHECKING, Protocol
 
 from runtime.cuda_driver import call
+from runtime.cuda_driver.device import use_device
 from runtime.weights.native_reader import Ring, native
 
 if TYPE_CHECKING:
@@ -154,7 +155,7 @@ class _TorchCudaWriter:
         self._torch, self._d = torch, driver
         self._base = sink.buffer.data_ptr()
         self._end = self._base + sink.buffer.numel()
-        torch.cuda.set_device(sink.buffer.device)
+        use_device(sink.buffer.device)  # a reader thread may have worked for another GPU before
         self._stream = torch.cuda.Stream(sink.buffer.device)
         self._stream.wait_event(sink._ready)
         self._handle = self._stream.cuda_stream

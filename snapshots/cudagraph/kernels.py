@@ -23,6 +23,8 @@ from typing import Callable
 import torch
 
 from runtime.cuda_driver import graphs as cu
+from runtime.cuda_driver.device import use_device
+from runtime.engine.capture_guard import collection_paused
 from runtime.engine.model_runner import ModelRunner
 from runtime.logs import get_logger
 from snapshots.cudagraph.describe import kernel_function
@@ -43,7 +45,7 @@ def load_kernels(runner: ModelRunner, batch_sizes: list[int], enough: Callable[[
             graph = torch.cuda.CUDAGraph(keep_graph=True)
             # capture_begin/end rather than torch.cuda.graph, whose entry synchronises the device (waiting for
             # the weights still streaming in) and empties the allocator caches: this graph is never replayed
-            with torch.cuda.stream(stream):
+            with torch.cuda.stream(stream), collection_paused():
                 graph.capture_begin(pool=graphs[0].pool() if graphs else None, capture_error_mode="thread_local")
                 try:
                     runner.run_first_layers(bs)
@@ -80,7 +82,7 @@ def warm_cublas(device: int, dtype: torch.dtype) -> None:
     engine/kernels/gemv.py), but the first prefill and the graphs built after ready do: run on a thread of its
     own, this overlaps the weight stream. A failure costs only time, so it is logged."""
     try:
-        torch.cuda.set_device(device)  # the current device is per thread
+        use_device(torch.device("cuda", device))  # the current device is per thread
         with torch.inference_mode():
             x = torch.zeros(2, 256, device=torch.device("cuda", device), dtype=dtype)
             torch.nn.functional.linear(x, torch.zeros(256, 256, device=x.device, dtype=dtype))
@@ -108,7 +110,7 @@ class KernelLoad:
     def _run(self, runner: ModelRunner, batch_sizes: list[int]) -> None:
         start = time.perf_counter()
         try:
-            torch.cuda.set_device(self._device)
+            use_device(torch.device("cuda", self._device))
             load_kernels(runner, batch_sizes, self._covers, found=self._found)
         except BaseException as exc:  # raised again in the thread that asks for the result
             self._error = exc

@@ -1,0 +1,25 @@
+"""Making a GPU current for the calling thread, in torch and in the driver alike.
+
+torch sets the current device lazily: `torch.cuda.set_device` (and `torch.cuda.device`) may only note the
+target and leave the driver's current context on another GPU until torch next needs it. Triton's launcher,
+the loader's copies (cuda-bindings) and the native reader act on the driver's current context, so a thread
+working for a second GPU must have that GPU's primary context current before they run."""
+
+from __future__ import annotations
+
+from runtime.cuda_driver import call
+
+
+def use_device(device) -> None:
+    """Make DEVICE (a torch.device naming a GPU index) current for the calling thread; no-op for the host or
+    for plain `cuda` (the current GPU)."""
+    if device.type != "cuda" or device.index is None:
+        return
+    import torch
+    from cuda.bindings import driver as d
+
+    torch.cuda.set_device(device)
+    gpu = call(d.cuDeviceGet(device.index), "cuDeviceGet")
+    # retained for the process's life: the primary context is torch's too and is never destroyed before exit
+    context = call(d.cuDevicePrimaryCtxRetain(gpu), "cuDevicePrimaryCtxRetain")
+    call(d.cuCtxSetCurrent(context), "cuCtxSetCurrent")
