@@ -4,8 +4,8 @@ complete document when its token budget (`max_tokens`) runs out (runtime/engine/
 A *plan* is a list of tokens that, consumed from a matcher's state, leaves it accepting. Plans are found by
 a greedy walk that uses only llguidance's cheap calls (consuming a token and rolling back take about a
 microsecond, forced tokens and `is_accepting` less; a full token mask takes hundreds): at each state the
-forced tokens if any, else the first of a short list of closing tokens the grammar takes, else a token of
-the mask. `shortest_plan` tries every closing token first and walks greedily from each, keeping the
+forced tokens if any, else the first of a short list of closing tokens the grammar takes, else the fewest
+tokens of the masks past what must be written (an enum's letters, a regex's characters). `shortest_plan` tries every closing token first and walks greedily from each, keeping the
 shortest walk.
 
 A plan is not always the shortest possible one, but it is always a real path: it was consumed from the
@@ -19,10 +19,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 #: plans longer than this are not looked for (a grammar this long to close has no budget worth keeping)
 MAX_PLAN = 512
-#: tokens of the mask checked for one that completes the grammar at once, when no closing token fits
-FALLBACK_PROBES = 256
+#: states the fallback looks through for the fewest tokens past what must be written (runtime cost: each
+#: is a copy and a token, and each state it goes deeper from a mask)
+FALLBACK_STATES = 256
 #: the shortest JSON values first (the first one a state takes is the value a walk writes), each also after
 #: the space that ends ": " and ", " (runtime/engine/grammar.py's JSON_OPTIONS), where tokenizers fold it in
 _VALUES = ("0", "1", "2", "3", "4", "5", "6", "7", "8", "9", '""', "[]", "{}", "null", "true", "false",
@@ -125,19 +128,40 @@ def _closing_order(matcher: Any, tokens: ClosingTokens) -> tuple[int, ...]:
 
 
 def _fallback_step(matcher: Any, tokens: ClosingTokens) -> list[int]:
-    """No closing token fits (a string's required characters, a regex's letters): a token of the mask that
-    completes the grammar, else the mask's longest token (the fewest tokens for what must be written)."""
-    import numpy as np
+    """No closing token fits (an enum's letters, a regex's characters): the fewest tokens, with the forced
+    ones after them, that lead through the masks to a state that accepts, has forced tokens or takes a
+    closer, looked for breadth first (longest tokens first) through at most FALLBACK_STATES states; else the
+    mask's longest token (the fewest tokens for what must be written)."""
+    allowed = _allowed(matcher, tokens)
+    frontier: list[tuple[Any, list[int]]] = [(matcher, [])]
+    looked = 0
+    while frontier and looked < FALLBACK_STATES:
+        deeper, settled = [], []
+        for state, path in frontier:
+            for token in (_allowed(state, tokens) if path else allowed)[:FALLBACK_STATES - looked]:
+                looked += 1
+                after = state.deep_copy()
+                if not after.consume_token(token):
+                    continue
+                forced = after.compute_ff_tokens()
+                if after.is_accepting() or forced or _takes_a_closer(after, tokens):
+                    settled.append([*path, token, *forced])
+                deeper.append((after, [*path, token]))
+        if settled:
+            return min(settled, key=len)
+        frontier = deeper
+    return allowed[:1]
 
+
+def _allowed(matcher: Any, tokens: ClosingTokens) -> list[int]:
+    """The mask's tokens, longest first (end-of-sequence left out: a plan ends where the grammar accepts)."""
     bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
     allowed = [t for t in np.flatnonzero(bits).tolist() if t != tokens.eos]
-    for token in allowed[:FALLBACK_PROBES]:
-        if matcher.consume_token(token):
-            done = matcher.is_accepting()
-            matcher.rollback(1)
-            if done:
-                return [token]
-    return [max(allowed, key=lambda t: tokens.lengths.get(t, 0))] if allowed else []
+    return sorted(allowed, key=lambda t: -tokens.lengths.get(t, 0))
+
+
+def _takes_a_closer(matcher: Any, tokens: ClosingTokens) -> bool:
+    return any(t is not None and _takes(matcher, t) for t in (tokens.brace, tokens.bracket))
 
 
 def _takes(matcher: Any, token: int) -> bool:

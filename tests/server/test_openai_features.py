@@ -213,6 +213,29 @@ def test_streamed_tool_call_deltas_reassemble_to_the_same_calls(client: openai.O
     assert all(c["id"].startswith("call_") for c in calls.values())
 
 
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_a_cut_tool_call_is_closed_with_valid_arguments(client: openai.OpenAI, tool_choice):
+    """A required or named tool call that max_tokens cuts is still a whole call with valid arguments, streamed
+    and not; below the shortest call, a 400."""
+    kwargs = dict(model=MODEL, messages=ASK, tools=[WEATHER, TIME], tool_choice=tool_choice,
+                  parallel_tool_calls=False)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(**kwargs, max_tokens=1)
+    assert err.value.body["param"] == "max_tokens" and "'tools'" in err.value.body["message"]
+    shortest = int(re.search(r"takes (\d+) tokens", err.value.body["message"]).group(1))
+    for max_tokens in range(shortest, shortest + 8):
+        choice = client.chat.completions.create(**kwargs, max_tokens=max_tokens, seed=max_tokens).choices[0]
+        (call,) = choice.message.tool_calls
+        _arguments_valid(call, WEATHER if call.function.name == "get_weather" else TIME)
+        assert choice.finish_reason in ("length", "tool_calls" if tool_choice == "required" else "stop")
+        chunks = list(client.chat.completions.create(**kwargs, max_tokens=max_tokens, seed=100 + max_tokens,
+                                                     stream=True))
+        arguments = "".join(tc.function.arguments or "" for c in chunks for tc in c.choices[0].delta.tool_calls or ())
+        assert isinstance(json.loads(arguments), dict)
+    exact = client.chat.completions.create(**kwargs, max_tokens=shortest, seed=1).choices[0]
+    assert exact.finish_reason == "length" and len(exact.message.tool_calls) == 1
+
+
 def test_auto_tool_choice_answers_in_text_when_the_model_calls_nothing(client: openai.OpenAI):
     r = client.chat.completions.create(model=MODEL, messages=ASK, tools=[WEATHER], max_tokens=6, **GREEDY)
     assert r.choices[0].message.content and r.choices[0].message.tool_calls is None
@@ -359,6 +382,21 @@ def test_vllm_structured_outputs(client: openai.OpenAI):
     schema = client.completions.create(model=MODEL, prompt="Pet:", seed=4, max_tokens=200,
                                        extra_body={"guided_json": SCHEMA})
     jsonschema.validate(json.loads(schema.choices[0].text), SCHEMA)
+
+
+@pytest.mark.parametrize("extra, pattern", [
+    ({"structured_outputs": {"choice": ["maybe", "no", "né"]}}, r"maybe|no|né"),
+    ({"guided_regex": r"[a-z]+-[0-9]{2}"}, r"[a-z]+-[0-9]{2}"),
+    ({"guided_grammar": 'root ::= ("on" | "off") " " [0-9]+'}, r"(on|off) [0-9]+"),
+])
+def test_a_cut_regex_choice_or_grammar_output_is_closed(client: openai.OpenAI, extra, pattern):
+    with pytest.raises(openai.BadRequestError, match="shortest output") as err:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=1, extra_body=extra)
+    shortest = int(re.search(r"takes (\d+) tokens", err.value.body["message"]).group(1))
+    for max_tokens in range(shortest, shortest + 4):
+        r = client.completions.create(model=MODEL, prompt="Answer:", n=3, seed=max_tokens, max_tokens=max_tokens,
+                                      extra_body=extra)
+        assert all(re.fullmatch(pattern, c.text) for c in r.choices), [c.text for c in r.choices]
 
 
 @pytest.mark.parametrize("extra, param", [
