@@ -265,20 +265,28 @@ def check_constraints_in_mixed_batches(model_dir, engine_factory, **engine):
         biased = [collect(engine, PROMPTS[0], max_tokens=6, seed=1, logit_bias={77: 100.0}),
                   collect(engine, PROMPTS[1], max_tokens=8, temperature=0, ignore_eos=False, min_tokens=5,
                           logit_bias={min(engine.tokenizer.eos_token_ids): 100.0})]
-        return await asyncio.gather(*grammar, *plain, *biased)
+        cut = [collect(engine, PROMPTS[i], max_tokens=3 + i, seed=i, grammar=spec) for i in range(6)]
+        return await asyncio.gather(*grammar, *plain, *biased, *cut)
 
     results = asyncio.run(mixed())
     for outs in results[:8]:
         assert outs[-1].finish_reason == "stop"
         jsonschema.validate(json.loads("".join(o.text for o in outs)), schema)
     assert [tokens(outs) for outs in results[8:12]] == alone
-    forced, held = results[12:]
+    for i, outs in enumerate(results[14:]):  # cut by max_tokens: closed, complete and valid all the same
+        jsonschema.validate(json.loads("".join(o.text for o in outs)), schema)
+        assert outs[-1].completion_tokens <= 3 + i and outs[-1].finish_reason in ("length", "stop")
+    assert results[14][-1].finish_reason == "length"
+    forced, held = results[12:14]
     assert tokens(forced) == [77] * 6
     assert len(tokens(held)) == 6 and held[-1].finish_reason == "stop"  # EOS held back for 5 tokens
     assert engine.stats().steps_run_ahead > 0 and engine.stats().kv_blocks_used == 0
     with pytest.raises(InvalidParams) as err:
         asyncio.run(collect(engine, [5, 6], grammar=GrammarSpec("json_schema", '{"type": "nonsense"}')))
     assert err.value.param == "response_format"
+    with pytest.raises(InvalidParams, match="shortest output") as err:  # "[1]" takes 3 tokens
+        asyncio.run(collect(engine, [5, 6], max_tokens=2, grammar=spec))
+    assert err.value.param == "max_tokens"
 
 
 def test_async_scheduling_serves_exactly_what_one_step_at_a_time_serves(tiny_model, engine_factory):

@@ -5,8 +5,8 @@ A *plan* is a list of tokens that, consumed from a matcher's state, leaves it ac
 a greedy walk that uses only llguidance's cheap calls (consuming a token and rolling back take about a
 microsecond, forced tokens and `is_accepting` less; a full token mask takes hundreds): at each state the
 forced tokens if any, else the first of a short list of closing tokens the grammar takes, else the fewest
-tokens of the masks past what must be written (an enum's letters, a regex's characters). `shortest_plan` tries every closing token first and walks greedily from each, keeping the
-shortest walk.
+tokens of the masks past what must be written (an enum's letters, a regex's characters). `shortest_plan`
+tries every closing token first and walks greedily from each, keeping the shortest walk.
 
 A plan is not always the shortest possible one, but it is always a real path: it was consumed from the
 state it starts at. That is what keeps the budget safe: while a plan fits the tokens left, the output can
