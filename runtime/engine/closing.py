@@ -2,8 +2,8 @@
 complete document when its token budget (`max_tokens`) runs out (runtime/engine/grammar.py).
 
 A *plan* is a list of tokens that, consumed from a matcher's state, leaves it accepting. Plans are found by
-a greedy walk that uses only llguidance's cheap calls (consuming a token and rolling back take about a
-microsecond, forced tokens and `is_accepting` less; a full token mask takes hundreds): at each state the
+a greedy walk that uses llguidance's cheap calls (checking a token takes about a microsecond, forced tokens
+and `is_accepting` less; a full token mask takes tens to hundreds): at each state the
 forced tokens if any, else the first of a short list of closing tokens the grammar takes, else the fewest
 tokens of the masks past what must be written (an enum's letters, a regex's characters). `shortest_plan`
 tries every closing token first and walks greedily from each, keeping the shortest walk.

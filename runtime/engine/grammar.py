@@ -8,8 +8,9 @@ microseconds.
 
 A matcher also keeps the output closable within its token budget: it carries a plan, tokens that would
 complete the grammar from where the output is, and keeps it no longer than the tokens left. Each step it
-checks that the plan still completes the grammar after the token chosen (a few microseconds a plan token;
-the mask itself takes hundreds), and looks for a new one only when that token broke it. Once fewer than
+checks that the plan still completes the grammar after the token chosen (one call that consumes nothing:
+about 10 us for a 26-token plan, where the mask takes 20 to 80 us on a 49k-token vocabulary), and walks
+to a new one only when that token broke it (opened or closed what the plan did not). Once fewer than
 `NEAR` tokens are left to spare over the plan, the mask allows only the closing tokens after which a plan
 still fits; a token chosen from the full mask that leaves no plan within the budget (one that opens more
 than the spare tokens can close) is replaced by the plan's first token. The output then ends complete, and
@@ -39,6 +40,8 @@ JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separ
 #: spare tokens over the plan below which only closing tokens are allowed: a few, so that the model itself
 #: closes what it has open before the substitution (its last resort) has to
 NEAR = 4
+#: plan tokens a sampled token may stand for at once (a '"}]' for '"', '}' and ']')
+MERGED = 3
 
 
 class GrammarCompiler:
@@ -182,13 +185,23 @@ class Matcher:
         plan = self.plan
         if plan and token_id == plan[0]:
             return after, plan[1:]
-        probe = after.deep_copy()
-        if not (probe.consume_tokens(plan) and probe.is_accepting()):
-            plan = greedy_plan(after.deep_copy(), self._closing)
+        # still valid after text inside a string or a digit; after a token that merges the plan's first few
+        # (a '",' for '"' and ','), its rest is
+        rest = next((plan[k:] for k in range(min(len(plan), MERGED) + 1) if self._completes(after, plan[k:])), None)
+        plan = rest if rest is not None else greedy_plan(after.deep_copy(), self._closing)
         if search and not _fits(plan, left - NEAR):
             shorter = shortest_plan(after, self._closing, len(plan) - 1 if plan is not None else MAX_PLAN)
             plan = shorter if shorter is not None else plan
         return after, plan
+
+    def _completes(self, matcher: Any, plan: list[int]) -> bool:
+        """Whether `plan` completes the grammar from `matcher`'s state: the end-of-sequence token passes after
+        it only where the grammar accepts (checked without consuming: a tenth of the cost)."""
+        eos = self._closing.eos
+        if eos is not None:
+            return matcher.validate_tokens([*plan, eos]) == len(plan) + 1
+        probe = matcher.deep_copy()
+        return probe.consume_tokens(plan) and probe.is_accepting()
 
     @property
     def done(self) -> bool:
