@@ -23,3 +23,17 @@ def use_device(device) -> None:
     # retained for the process's life: the primary context is torch's too and is never destroyed before exit
     context = call(d.cuDevicePrimaryCtxRetain(gpu), "cuDevicePrimaryCtxRetain")
     call(d.cuCtxSetCurrent(context), "cuCtxSetCurrent")
+
+
+def private_stream(device):
+    """A stream of DEVICE's (a torch.device) that nothing else in the process is handed: made by the driver,
+    not taken from torch's pool. torch hands its pooled streams out round robin (32 per device), so a pooled
+    stream used for a capture is, a few weight loads later, also one of the loader's copy streams; a copy
+    queued on it from a reader thread while the capture runs invalidates the capture. The stream lives as long
+    as the process (a runner keeps its own for its captures)."""
+    import torch
+    from cuda.bindings import driver as d
+
+    use_device(device)
+    handle = call(d.cuStreamCreate(d.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+    return torch.cuda.ExternalStream(int(handle), device=device)

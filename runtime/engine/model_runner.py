@@ -11,10 +11,10 @@ from typing import Callable, Protocol
 
 import torch
 
+from runtime.cuda_driver.device import private_stream
 from runtime.engine.allocator import DeviceAllocator, MemoryProvider
 from runtime.engine.attention_metadata import AttentionMetadata
 from runtime.engine.block_manager import BlockManager
-from runtime.engine.capture_guard import collection_paused
 from runtime.engine.decode_inputs import DecodeBuffers, DecodeStaging
 from runtime.engine.engine_config import EngineConfig
 from runtime.engine.layers.rotary import cos_sin_table, inverse_frequencies
@@ -74,6 +74,7 @@ class ModelRunner:
         self.graph_batch_sizes: list[int] = sorted(sizes) if config.use_cuda_graphs else []
         self.graphs: dict[int, Replayable] = {}
         self.graph_pool = None
+        self._capture_stream = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_kv_blocks = 0
         self.cos_sin: torch.Tensor | None = None
@@ -186,6 +187,13 @@ class ModelRunner:
                                f"({num_blocks} blocks fit); lower MAX_MODEL_LEN or raise GPU_MEMORY_UTILIZATION")
         return KVProfile(num_blocks, self.kv_block_bytes, int(peak), int(free), int(total))
 
+    @property
+    def capture_stream(self) -> torch.cuda.Stream:
+        """This runner's own stream for its captures (runtime/cuda_driver/device.py says why not a pooled one)."""
+        if self._capture_stream is None:
+            self._capture_stream = private_stream(self.device)
+        return self._capture_stream
+
     @torch.inference_mode()
     def capture_graphs(self, keep_graphs: bool = False,
                        on_captured: Callable[[int, torch.cuda.CUDAGraph], None] | None = None,
@@ -197,8 +205,8 @@ class ModelRunner:
             graph = torch.cuda.CUDAGraph(keep_graph=keep_graphs)
             # thread_local: the weight loader's threads may still be streaming (materialised start), and a
             # global capture would fail their pinned allocations and event waits
-            with collection_paused(), torch.cuda.graph(graph, pool=self.graph_pool,
-                                                       capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=self.graph_pool, stream=self.capture_stream,
+                                  capture_error_mode="thread_local"):
                 self._graph_forward(bs)
             if keep_graphs:
                 graph.instantiate()

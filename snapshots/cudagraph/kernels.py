@@ -23,8 +23,7 @@ from typing import Callable
 import torch
 
 from runtime.cuda_driver import graphs as cu
-from runtime.cuda_driver.device import use_device
-from runtime.engine.capture_guard import collection_paused
+from runtime.cuda_driver.device import private_stream, use_device
 from runtime.engine.model_runner import ModelRunner
 from runtime.logs import get_logger
 from snapshots.cudagraph.describe import kernel_function
@@ -37,7 +36,9 @@ def load_kernels(runner: ModelRunner, batch_sizes: list[int], enough: Callable[[
     """Run the first layers at each batch size, capture them, and return each kernel name's function handles
     (added to `found`, if given). Stops early once `enough(names found so far)` says so."""
     found = {} if found is None else found
-    stream = torch.cuda.Stream(runner.device)  # a capture needs a stream other than the legacy default
+    # a capture needs a stream other than the legacy default, and one no other thread is handed
+    # (runtime/cuda_driver/device.py); not the runner's: its graphs may be captured on it meanwhile
+    stream = private_stream(runner.device)
     with torch.inference_mode():
         graphs: list[torch.cuda.CUDAGraph] = []  # alive until all are read: they share one pool
         for bs in batch_sizes:
@@ -45,7 +46,7 @@ def load_kernels(runner: ModelRunner, batch_sizes: list[int], enough: Callable[[
             graph = torch.cuda.CUDAGraph(keep_graph=True)
             # capture_begin/end rather than torch.cuda.graph, whose entry synchronises the device (waiting for
             # the weights still streaming in) and empties the allocator caches: this graph is never replayed
-            with torch.cuda.stream(stream), collection_paused():
+            with torch.cuda.stream(stream):
                 graph.capture_begin(pool=graphs[0].pool() if graphs else None, capture_error_mode="thread_local")
                 try:
                     runner.run_first_layers(bs)
