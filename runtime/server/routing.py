@@ -32,6 +32,7 @@ class DeviceLoad:
     running: bool      # the model serves requests there now: a new one joins its batch
     fits: bool = True  # the device's pool can hold the model at all
     free_bytes: int = 0  # of the device's pool: where the model fits without evicting, others keep theirs
+    used_bytes: int = 0  # of the device's pool: what other models (and their engines) hold there
 
     @property
     def missing_bytes(self) -> int:
@@ -50,18 +51,19 @@ class NoDevice(Exception):
 
 def choose_affinity(loads: Sequence[DeviceLoad], load_rates: Sequence[float]) -> int:
     """The index of the device where the request would start soonest; ties go to the device holding more
-    of the model, then to the one with more free memory (loading there evicts less of other models), then
-    to the first."""
-    best: tuple[float, int, int, int] | None = None
+    of the model, then to one where it fits without evicting, then to the one whose pool holds least (the
+    models spread over the devices instead of sharing one while another idles), then to the first."""
+    best: tuple[float, int, bool, int, int] | None = None
     for i, (load, rate) in enumerate(zip(loads, load_rates)):
         if not load.fits:
             continue
-        key = (load.start_s(rate), -load.held_bytes, -load.free_bytes, i)
+        evicts = load.missing_bytes > load.free_bytes
+        key = (load.start_s(rate), -load.held_bytes, evicts, load.used_bytes, i)
         if best is None or key < best:
             best = key
     if best is None:
         raise NoDevice("no device can hold the model")
-    return best[3]
+    return best[-1]
 
 
 class RoundRobin:

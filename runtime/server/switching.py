@@ -165,7 +165,7 @@ class DeviceSlot:
         if not running and self._others_in_flight(model) and m.total_bytes - held > stats.free_bytes:
             queued_s += self.request_s  # room comes back when a running request finishes
         return DeviceLoad(self.device, m.total_bytes, held, queued_s, running, m.total_bytes <= stats.budget_bytes,
-                          stats.free_bytes)
+                          stats.free_bytes, stats.used_bytes)
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=False, cancel_futures=True)

@@ -12,8 +12,9 @@ RATE = 10 * GiB  # bytes/s
 
 
 def load(device: str, held: float, queued_s: float = 0.0, running: bool = False, fits: bool = True,
-         model: float = 3.0, free: float = 0.0) -> DeviceLoad:
-    return DeviceLoad(device, int(model * GiB), int(held * GiB), queued_s, running, fits, int(free * GiB))
+         model: float = 3.0, free: float = 0.0, used: float = 0.0) -> DeviceLoad:
+    return DeviceLoad(device, int(model * GiB), int(held * GiB), queued_s, running, fits, int(free * GiB),
+                      int(used * GiB))
 
 
 def test_affinity_goes_to_the_device_holding_most_of_the_model():
@@ -41,11 +42,14 @@ def test_a_device_where_the_model_runs_is_joined_at_no_load_cost():
     assert choose_affinity(loads, [RATE] * 2) == 1
 
 
-def test_ties_go_to_more_held_bytes_then_more_free_memory_then_to_the_first_device():
+def test_ties_go_to_more_held_bytes_then_no_eviction_then_the_emptier_pool_then_the_first_device():
     # equal estimates: gpu1 holds more (its queue costs exactly what gpu0's missing bytes do)
     loads = [load("gpu0", 2.0, queued_s=0.0), load("gpu1", 3.0, queued_s=0.1)]
     assert choose_affinity(loads, [RATE] * 2) == 1
-    assert choose_affinity([load("gpu0", 1.0, free=2.0), load("gpu1", 1.0, free=5.0)], [RATE] * 2) == 1
+    # 2 GiB missing: gpu0 would evict for it, gpu1 has the room
+    assert choose_affinity([load("gpu0", 1.0, free=1.0), load("gpu1", 1.0, free=5.0, used=9.0)], [RATE] * 2) == 1
+    # both have the room: the pool holding less of other models, whatever else uses the GPU's memory
+    assert choose_affinity([load("gpu0", 0.0, free=20.0, used=3.0), load("gpu1", 0.0, free=10.0)], [RATE] * 2) == 1
     assert choose_affinity([load("gpu0", 1.0), load("gpu1", 1.0)], [RATE] * 2) == 0
 
 
