@@ -1,15 +1,20 @@
-"""The server on a CUDA device: the cold path with CUDA graphs, batched streams, a disconnect."""
+"""The server on a CUDA device: the cold path with CUDA graphs, batched streams, structured outputs cut by
+max_tokens in a batch, a disconnect."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
 from tests.server.conftest import start_server
 from tests.server.test_openai_api import metrics, wait_for
+from tests.server.test_openai_features import CLOSABLE
 
 pytestmark = pytest.mark.gpu
 
@@ -38,6 +43,7 @@ def test_serves_on_cuda(tiny_model_dir, tmp_path):
 
         texts = asyncio.run(streams())
         assert len(set(texts)) == 1 and texts[0]  # greedy: batched decode (CUDA graphs) agrees with itself
+        _cut_structured_outputs_close(client, server.url)
 
         with httpx.Client(base_url=server.url, timeout=60) as http:
             body = {"prompt": "long", "max_tokens": 3000, "ignore_eos": True, "stream": True}
@@ -48,3 +54,27 @@ def test_serves_on_cuda(tiny_model_dir, tmp_path):
     finally:
         assert server.stop() == 0
     print(server.log())
+
+
+def _cut_structured_outputs_close(client: openai.OpenAI, url: str) -> None:
+    """Schema answers cut by max_tokens, batched with plain streams on the CUDA graphs: each is complete."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "closable", "schema": CLOSABLE}}
+    ask = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny-llama", messages=ask, response_format=fmt, max_tokens=1)
+    shortest = int(re.search(r"takes (\d+) tokens", err.value.body["message"]).group(1))
+
+    async def batch() -> list:
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0) as c:
+            cut = [c.chat.completions.create(model="tiny-llama", messages=ask, response_format=fmt, seed=i,
+                                             max_tokens=shortest + i) for i in range(12)]
+            plain = [c.completions.create(model="tiny-llama", prompt="plain", max_tokens=64, temperature=0,
+                                          extra_body={"ignore_eos": True}) for _ in range(8)]
+            return await asyncio.gather(*cut, *plain)
+
+    results = asyncio.run(batch())
+    for r in results[:12]:
+        jsonschema.validate(json.loads(r.choices[0].message.content), CLOSABLE)
+        assert r.choices[0].finish_reason in ("length", "stop")
+    assert results[0].choices[0].finish_reason == "length"
+    assert len({r.choices[0].text for r in results[12:]}) == 1  # the plain rows are untouched by the masks
