@@ -474,6 +474,8 @@ class Engine:
                 return
             if taken != token.token_id:  # the sampled token left no room to complete the grammar
                 token = SampledToken(taken)
+                # the penalties counted the sampled token on the device: recounted from the host's tokens
+                self.sampler.penalties.forget(seq.request_id)
         seq.output_ids[index] = token.token_id
         reason = None
         if token.token_id in request.stop_ids:
