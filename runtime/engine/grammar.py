@@ -10,7 +10,10 @@ A matcher also keeps the output closable within its token budget: it carries a p
 complete the grammar from where the output is, and keeps it no longer than the tokens left. Each step it
 checks that the plan still completes the grammar after the token chosen (one call that consumes nothing:
 about 10 us for a 26-token plan, where the mask takes 20 to 80 us on a 49k-token vocabulary), and walks
-to a new one only when that token broke it (opened or closed what the plan did not). Once fewer than
+to a new one only when that token broke it (opened or closed what the plan did not). The check cannot
+wait until the budget is near: one token may open more than any bound known in advance (a `{` of an
+object with many required fields), so a plan left unchecked could turn out longer than the tokens left;
+the check is what keeps the invariant (plan <= tokens left) true at every step. Once fewer than
 `NEAR` tokens are left to spare over the plan, the mask allows only the closing tokens after which a plan
 still fits; a token chosen from the full mask that leaves no plan within the budget (one that opens more
 than the spare tokens can close) is replaced by the plan's first token. The output then ends complete, and
