@@ -16,10 +16,15 @@ def use_device(device) -> None:
     if device.type != "cuda" or device.index is None:
         return
     import torch
-    from cuda.bindings import driver as d
 
     torch.cuda.set_device(device)
-    gpu = call(d.cuDeviceGet(device.index), "cuDeviceGet")
+    _make_current(device.index)
+
+
+def _make_current(index: int) -> None:
+    from cuda.bindings import driver as d
+
+    gpu = call(d.cuDeviceGet(index), "cuDeviceGet")
     # retained for the process's life: the primary context is torch's too and is never destroyed before exit
     context = call(d.cuDevicePrimaryCtxRetain(gpu), "cuDevicePrimaryCtxRetain")
     call(d.cuCtxSetCurrent(context), "cuCtxSetCurrent")
@@ -35,5 +40,8 @@ def private_stream(device):
     from cuda.bindings import driver as d
 
     use_device(device)
+    # the driver call needs a current context, which torch makes current in a new thread only when it first
+    # calls CUDA there
+    _make_current(device.index if device.index is not None else torch.cuda.current_device())
     handle = call(d.cuStreamCreate(d.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
     return torch.cuda.ExternalStream(int(handle), device=device)
