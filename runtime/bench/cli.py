@@ -194,8 +194,8 @@ def _switch_parser(sub, common: argparse.ArgumentParser) -> None:
     switch.add_argument("--idle-timeout", type=_positive(float), default=30.0,
                         help="per-model instances idle this long are retired (30 s)")
     switch.add_argument("--gpus", type=_positive(int), default=1,
-                        help="devices for the placement policies (affinity, round-robin, fixed); on cpu "
-                             "simulated by POOL_CPU_DEVICES (1)")
+                        help="devices for the placement policies (affinity, round-robin, fixed): the first N "
+                             "GPUs, or on cpu N host pools (POOL_CPU_DEVICES) (1)")
 
 
 if __name__ == "__main__":
