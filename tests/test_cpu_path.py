@@ -16,6 +16,7 @@ from tests.test_kernels import paged_batch
 
 @pytest.mark.parametrize("query_lens,seq_lens", [
     ([1, 1, 1], [1, 17, 130]),                   # decode
+    ([1] * 8, [3, 16, 17, 64, 65, 100, 1, 33]),  # a decode batch: lengths across block edges, one of one token
     ([40], [40]),                                # a whole prompt
     ([5, 1, 20, 1], [5, 30, 37, 64]),            # prefill, decode and a prompt slice after cached context, mixed
     ([33], [100]),                               # a prompt continued after a prefix already cached

@@ -25,3 +25,5 @@ class AttentionMetadata:
     # host copies, for the cpu reference
     query_start_loc_cpu: list[int] | None = None
     seq_lens_cpu: list[int] | None = None
+    # the cpu attention's gather plan of a decode batch, made by its first layer and reused by the others
+    cpu_decode_plan: object | None = None
