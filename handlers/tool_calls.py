@@ -173,22 +173,16 @@ def _read_llama3_json(text: str, final: bool) -> Reading:
         return Reading(text if final else "")
     if not body.startswith("{"):
         return Reading(text)
-    reading = Reading("")
-    at = len(text) - len(body)
-    while at < len(text) and text[at] == "{":
-        end, complete = _value_extent(text, at)
-        call = _read_call(text[at:end])
-        if call is not None:
-            reading.calls.append(call)
-        if not complete:
-            break
-        at = _skip(text, end, " \t\r\n;")
-    return reading
+    return _read_objects(text, len(text) - len(body), " \t\r\n;")
 
 
 def _read_json_array(text: str, final: bool) -> Reading:
+    return _read_objects(text, _skip(text, 0, " \t\r\n["), " \t\r\n,")
+
+
+def _read_objects(text: str, at: int, between: str) -> Reading:
+    """The calls of the JSON objects from AT on, separated by characters of BETWEEN; the last may be partial."""
     reading = Reading("")
-    at = _skip(text, 0, " \t\r\n[")
     while at < len(text) and text[at] == "{":
         end, complete = _value_extent(text, at)
         call = _read_call(text[at:end])
@@ -196,7 +190,7 @@ def _read_json_array(text: str, final: bool) -> Reading:
             reading.calls.append(call)
         if not complete:
             break
-        at = _skip(text, end, " \t\r\n,")
+        at = _skip(text, end, between)
     return reading
 
 

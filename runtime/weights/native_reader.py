@@ -9,6 +9,7 @@ says why once, and the loader reads from Python (slower on a GPU: docs/weights.m
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -71,14 +72,10 @@ class NativeReader:
         raise OSError(-status, os.strerror(-status), str(source.path))
 
 
-_loaded: list[NativeReader | None] = []
-
-
+@functools.cache
 def native() -> NativeReader | None:
     """The built library, or None (said once in the log, with the reason)."""
-    if not _loaded:
-        _loaded.append(_load())
-    return _loaded[0]
+    return _load()
 
 
 def _load() -> NativeReader | None:

@@ -10,6 +10,7 @@ the projection computes the same product as the float32 one, up to the order of 
 from __future__ import annotations
 
 import ctypes
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -73,14 +74,10 @@ class PackedKernels:
         return y if bias is None else y.add_(bias)
 
 
-_loaded: list[PackedKernels | None] = []
-
-
+@functools.cache
 def packed_kernels() -> PackedKernels | None:
     """The built kernels, or None (said once in the log, with the reason): projections then stay float32."""
-    if not _loaded:
-        _loaded.append(_load())
-    return _loaded[0]
+    return _load()
 
 
 def _load() -> PackedKernels | None:
