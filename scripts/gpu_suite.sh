@@ -8,7 +8,8 @@
 # Steps:
 #   setup               wheels from $WHEELS (default .whl, if present) into /tmp/site, criu from $DEBS
 #                       (default .debs), the loader's native reader compiled in place
-#   tests               every GPU-marked test; pytest's -rA output and junit XML into $RESULTS
+#   tests               every GPU-marked test (or those in $TEST_FILES); pytest's -rA output and junit XML
+#                       into $RESULTS
 #   model:SHAPE         a random-weight model directory of SHAPE in $MODELS (seed 0)
 #   bake:SHAPE          faas-build: its layout and every snapshot this machine can bake (timed in turns)
 #   coldstart:SHAPE     faas-bench coldstart over every restore path and transformers, page cache warm
@@ -54,7 +55,7 @@ tests() {
     say "GPU tests"
     # only the files that hold GPU tests: the others may import packages (moto) a GPU image need not have
     local files
-    files=$(grep -rlE "pytest\.mark\.gpu" tests --include='test_*.py' | sort)
+    files=${TEST_FILES:-$(grep -rlE "pytest\.mark\.gpu" tests --include='test_*.py' | sort)}
     "$PY" -m pytest -q -rA -m gpu --junitxml="$RESULTS/gpu-tests.xml" $files 2>&1 | tee "$RESULTS/gpu-tests.txt" \
         || say "GPU tests failed (the steps after this one still run)"
 }
