@@ -228,8 +228,9 @@ class Settings:
         "or sampled request after a restore finds its kernels loaded (0: checkpoint straight after the start)")
     weights_during_restore: bool = _setting(
         "WEIGHTS_DURING_RESTORE", _bool, True,
-        "gpu snapshots baked with GPU_SNAPSHOT_WEIGHTS=stream: the CUDA restore helper streams the weights "
-        "while CRIU restores the process (1), or the restored process streams them after its restore (0)")
+        "process snapshots on cuda, and gpu snapshots baked with GPU_SNAPSHOT_WEIGHTS=stream: a helper process "
+        "streams the weights while CRIU restores the runtime (1), or the restored runtime streams them "
+        "itself after its restore (0)")
     handler: str = _setting(
         "HANDLER", str, "handlers.openai:handler", "module:attribute of the handler to serve")
     served_model_name: str | None = _setting(

@@ -42,9 +42,7 @@ import platform
 import shutil
 import statistics
 import sys
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -52,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from runtime.weights.layout import write_layout  # noqa: E402
+from runtime.bench.disk_read import read_files as parallel_read  # noqa: E402
 from runtime.weights.loader import LoaderOptions, LayoutLoader  # noqa: E402
 from runtime.weights.manifest import DEFAULT_HASH, HASHES, Manifest  # noqa: E402
 
@@ -90,25 +89,9 @@ def timed(fn, nbytes: int, device: str) -> float:
     return nbytes / (time.perf_counter() - t) / GiB
 
 
-_READERS = ThreadPoolExecutor(16)  # kept across calls, and so are their buffers: no page faults measured
-_BUFFERS = threading.local()
-
-
-def read_files(paths: list[Path], chunk: int = 64 * MiB) -> None:
+def read_files(paths: list[Path]) -> None:
     """The parallel read: 16 threads, preadv of 64 MiB into reused buffers, data thrown away."""
-    fds = {p: os.open(p, os.O_RDONLY) for p in paths}
-
-    def read(job):
-        path, off = job
-        if not hasattr(_BUFFERS, "buf"):
-            _BUFFERS.buf = bytearray(chunk)
-        os.preadv(fds[path], [_BUFFERS.buf], off)
-
-    try:
-        list(_READERS.map(read, [(p, off) for p in paths for off in range(0, p.stat().st_size, chunk)]))
-    finally:
-        for fd in fds.values():
-            os.close(fd)
+    parallel_read(paths, 16)
 
 
 def h2d_limit(device: str) -> float | None:

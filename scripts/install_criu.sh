@@ -91,9 +91,14 @@ case "${1:-}" in
 esac
 
 [ "$(id -u)" = 0 ] || die "must run as root"
+record_version() {  # the runtime reads it instead of running `criu --version` before every restore
+    "$PREFIX/bin/criu" --version | sed -n 's/^Version: *//p' > "$PREFIX/VERSION.tmp" && mv "$PREFIX/VERSION.tmp" "$PREFIX/VERSION"
+}
+
 for candidate in "$PREFIX/bin/criu" "$(command -v criu || true)"; do
     if [ -n "$candidate" ] && [ "$(major_of "$candidate")" -ge 4 ]; then
         say "criu $("$candidate" --version | sed -n 's/^Version: *//p') already at $candidate"
+        [ "$candidate" != "$PREFIX/bin/criu" ] || record_version
         exit 0
     fi
 done
@@ -115,4 +120,5 @@ if [ -z "$FROM" ]; then
 fi
 install_prefix "$FROM"
 [ "$(major_of "$PREFIX/bin/criu")" -ge 4 ] || die "installed criu does not run: $("$PREFIX/bin/criu" --version 2>&1 | tail -n1)"
+record_version
 say "installed $("$PREFIX/bin/criu" --version | sed -n 's/^Version: *//p') at $PREFIX/bin/criu"

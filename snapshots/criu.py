@@ -12,6 +12,9 @@ from pathlib import Path
 
 #: where scripts/install_criu.sh puts its wrapper; $THAWLLM_CRIU first, `criu` on PATH last
 INSTALLED = Path("/opt/thawllm-criu/bin/criu")
+#: the installed criu's version, written by the install: reading it saves running criu (bash, its own
+#: loader, criu) before every restore, 30-80 ms
+INSTALLED_VERSION = INSTALLED.parents[1] / "VERSION"
 MIN_MAJOR = 4  # 3.x fails `criu check` on 6.x kernels ("Unexpected rt vDSO area bounds")
 
 CAP_SYS_PTRACE = 19
@@ -44,10 +47,22 @@ def find_criu() -> Criu | None:
     """The first criu that runs and reports a version: $THAWLLM_CRIU, the installed wrapper, PATH."""
     for candidate in (os.environ.get("THAWLLM_CRIU"), str(INSTALLED), shutil.which("criu")):
         if candidate and os.access(candidate, os.X_OK):
-            version = criu_version(candidate)
+            version = (recorded_version(INSTALLED_VERSION, Path(candidate)) if candidate == str(INSTALLED)
+                       else None) or criu_version(candidate)
             if version:
                 return Criu(candidate, version)
     return None
+
+
+def recorded_version(record: Path, binary: Path) -> str | None:
+    """The version the install wrote into RECORD, if it is there and not older than BINARY."""
+    try:
+        if record.stat().st_mtime < binary.stat().st_mtime:
+            return None
+        version = record.read_text().strip()
+    except OSError:
+        return None
+    return version if re.fullmatch(r"\d+(\.\d+)*", version) else None
 
 
 def criu_version(path: str) -> str | None:

@@ -76,18 +76,23 @@ class RestoreHelper:
     cuInit (a few tenths of a second) overlap the CRIU restore, and `restore(pid)` costs only the driver's
     work. With WEIGHTS (a layout directory) it also streams the weights meanwhile, into memory it hands to the
     restored process through `channel`, the socket the handoff passes on (snapshots/weights_during_restore.py).
+    Without CUDA_RESTORE (a process snapshot, which holds no CUDA state) it only streams the weights.
 
     `close()` stops a helper whose restore failed; `detach()` lets one that restored finish its handover."""
 
-    def __init__(self, weights: Path | None = None) -> None:
-        command = [sys.executable, "-m", "snapshots.cuda_checkpoint", "restore", "-"]
+    def __init__(self, weights: Path | None = None, cuda_restore: bool = True) -> None:
+        if not cuda_restore and weights is None:
+            raise ValueError("a helper that restores no CUDA state has only the weights to stream")
+        self.restores_cuda = cuda_restore
+        command = ([sys.executable, "-m", "snapshots.cuda_checkpoint", "restore", "-"] if cuda_restore
+                   else [sys.executable, "-m", "snapshots.weights_during_restore"])
         self.channel: socket.socket | None = None
         ours = None
         if weights is not None:
             ours, self.channel = socket.socketpair()
             command += ["--weights", str(weights), "--channel-fd", str(ours.fileno())]
-        self._proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True,
+        self._proc = subprocess.Popen(command, stdin=subprocess.PIPE if cuda_restore else subprocess.DEVNULL,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                       pass_fds=(ours.fileno(),) if ours is not None else ())
         if ours is not None:
             ours.close()

@@ -36,6 +36,13 @@ class SnapshotImage:
     hash: str = ""  # of the image files' digests
     digests: dict[str, str] = field(default_factory=dict)  # image file -> digest, taken after the dump
 
+    def engine_device(self) -> str:
+        """The device the frozen engine was built for ("cpu", "cuda", ...), from the fingerprint."""
+        try:
+            return str(json.loads(self.fingerprint.engine_config).get("device", ""))
+        except (ValueError, AttributeError):
+            return ""
+
     @property
     def size_bytes(self) -> int:
         return sum(self.files.values())

@@ -8,6 +8,7 @@ boot side, shared with gpu snapshots: restore, (hook), hand over, leave the proc
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import tempfile
 import time
@@ -40,8 +41,9 @@ class CriuHooks:
 
     before_dump: Callable[[int], None] | None = None
     #: started before CRIU restores, so that its own start-up overlaps the restore; given the restored pid.
-    #: Called with the image and whether this restore is a boot (not the bake's check that it restores).
-    start_restore_helper: Callable[[SnapshotImage, bool], "RestoreHelper"] | None = None
+    #: Called with the image and whether this restore is a boot (not the bake's check that it restores);
+    #: None: no helper for this restore.
+    start_restore_helper: Callable[[SnapshotImage, bool], "RestoreHelper | None"] | None = None
     criu_options: list[str] = field(default_factory=list)
 
 
@@ -53,6 +55,29 @@ def bake_process_snapshot(settings: Settings, model_dir: Path, snapshot_dir: Pat
     needs CAP_SYS_ADMIN); False restores with the baked pids (a restore whose pids are taken fails and falls
     back); None (default): True on CPU, False where the runtime will use the GPU (see bake_snapshot)."""
     return bake_snapshot("process", settings, model_dir, snapshot_dir, CriuHooks(), pid_namespace)
+
+
+def process_hooks(weights_during_restore: bool) -> CriuHooks:
+    """At boot, a process snapshot of a CUDA engine gets its weights from a helper that streams them while
+    CRIU restores (WEIGHTS_DURING_RESTORE; snapshots/weights_during_restore.py)."""
+    if not weights_during_restore:
+        return CriuHooks()
+
+    def start_weights_helper(image: SnapshotImage, boot: bool) -> "RestoreHelper | None":
+        if not boot or image.engine_device().split(":")[0] != "cuda" or not _has_cuda_bindings():
+            return None
+        from snapshots.cuda_checkpoint import RestoreHelper
+
+        return RestoreHelper(Path(image.model_dir), cuda_restore=False)
+
+    return CriuHooks(start_restore_helper=start_weights_helper)
+
+
+def _has_cuda_bindings() -> bool:
+    try:
+        return importlib.util.find_spec("cuda.bindings") is not None
+    except ModuleNotFoundError:  # no `cuda` package at all
+        return False
 
 
 def bake_snapshot(kind: str, settings: Settings, model_dir: Path, snapshot_dir: Path, hooks: CriuHooks,
@@ -151,7 +176,7 @@ def thaw(criu: Criu, directory: Path, image: SnapshotImage, message: handoff.Han
             message.verify_span = verification.span()
 
         checkpoint.hand_over(pid, image.snapshot_id, message, HANDOFF_TIMEOUT_S,
-                             after_restore if helper is not None else None, channel,
+                             after_restore if helper is not None and helper.restores_cuda else None, channel,
                              verified if verification is not None else None)
         handed_over = True
     finally:

@@ -138,7 +138,12 @@ def restore_process(settings: Settings, timeline: Timeline) -> "Engine":
     except SkipPath as why:
         log.info("process path without materialized state: %s", why)
         kv_blocks, graphs = None, None
-    engine.start(kv_blocks=kv_blocks, graph_restorer=graphs)
+    handover, thawed.current.handover = thawed.current.handover, None
+    try:
+        engine.start(kv_blocks=kv_blocks, graph_restorer=graphs, handover=handover)
+    finally:
+        if handover is not None:
+            handover.close()  # the helper frees its memory at once, whether or not it was taken
     return engine
 
 
@@ -180,8 +185,13 @@ def materialized_state(settings: Settings, timeline: Timeline,
                        verification: Verification | None = None) -> tuple[int, "MaterializedGraphs"]:
     """(KV blocks, graph restorer) from `<SNAPSHOT_DIR>/materialized`, if it is there, fits and every file
     matches its baked digest (VERIFICATION: that check, started earlier)."""
+    from snapshots.cudagraph.restore import MaterializedGraphs
+    from snapshots.materialized import load_kv_blocks
+
     directory = _materialized_dir(settings)
     verification = verification or _start_verify(directory)
+    graphs = MaterializedGraphs(directory, settings.graphs_before_ready)
+    graphs.read_ahead()  # beside the check; used only once it has passed
     try:
         verification.wait()
     except DigestMismatch as why:
@@ -189,10 +199,7 @@ def materialized_state(settings: Settings, timeline: Timeline,
     finally:
         timeline.record(stages.SNAPSHOT_VERIFY, verification.started, verification.ended or time.time(),
                         snapshot="materialized", bytes=verification.bytes)
-    from snapshots.cudagraph.restore import MaterializedGraphs
-    from snapshots.materialized import load_kv_blocks
-
-    return load_kv_blocks(directory), MaterializedGraphs(directory, settings.graphs_before_ready)
+    return load_kv_blocks(directory), graphs
 
 
 def _start_verify(directory: Path) -> Verification:
@@ -235,10 +242,10 @@ def _restored_engine(kind: str, timeline: Timeline) -> "Engine":
 
 
 def _hooks(kind: str, settings: Settings) -> "CriuHooks":
-    from snapshots.process import CriuHooks
-
     if kind == "process":
-        return CriuHooks()
+        from snapshots.process import process_hooks
+
+        return process_hooks(settings.weights_during_restore)
     from snapshots.gpu import gpu_hooks
 
     return gpu_hooks(settings.weights_during_restore)  # raises SkipPath without cuda-bindings

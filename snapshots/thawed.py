@@ -10,6 +10,7 @@ from snapshots.handoff import Handoff
 
 if TYPE_CHECKING:
     from runtime.engine import Engine
+    from runtime.engine.llm_engine import WeightHandover
 
 
 @dataclass
@@ -19,6 +20,7 @@ class Thawed:
     handoff: Handoff
     taken_over_at: float
     weights: "WeightReload | None" = None  # gpu, weights left out of the image: coming back since the restore
+    handover: "WeightHandover | None" = None  # process: the weights the helper streamed during the restore
 
 
 class WeightReload(Protocol):

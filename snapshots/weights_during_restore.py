@@ -1,8 +1,11 @@
-"""The weights of a weight-less gpu snapshot, streamed while CRIU restores the process.
+"""The weights, streamed while CRIU restores the process: for a weight-less gpu snapshot and for a process
+snapshot of a CUDA engine.
 
-Without this, a gpu restore is sequential: CRIU reads the 1.7 GiB image (~1.1 s), the CUDA state comes back
-(~0.35 s), and only then does the restored engine stream its weights (~0.9 s for Llama-3-8B). The CUDA
-restore helper (snapshots/cuda_checkpoint.py) is already running before CRIU starts, so it takes the weights:
+Without this, a restore is sequential: CRIU restores the process, its CUDA state comes back (gpu) or its CUDA
+context is made (process, ~0.3 s on the H100), and only then does the restored engine stream its weights
+(~0.4-0.9 s for Llama-3-8B). A helper process started before CRIU takes the weights instead: for a gpu
+snapshot the CUDA restore helper (snapshots/cuda_checkpoint.py), which is running anyway; for a process
+snapshot one that only streams (`python -m snapshots.weights_during_restore`).
 
 helper (`stream_for_handover`): creates device memory that can be exported as a POSIX file descriptor, the
 size of the engine's weight range; streams the layout into it with the engine's own loader (a DriverSink:
@@ -10,10 +13,11 @@ the helper never imports torch, which alone takes longer than the restore); send
 stream's figures, over a socket pair whose other end the handoff gave the restored process; waits until the
 restored process has mapped it (its own CUDA context holds the memory until then).
 
-restored process (`HandedOverWeights`): maps that memory at its reserved weight addresses
-(runtime/engine/vmm.py: `adopt`); the KV cache gets new memory as before. Anything the helper could not do
-(no local layout, no exportable memory, a chunk that fails its check) arrives as a reason instead, and the
-restored process streams the weights itself, as it did before, logging why.
+restored process (`ExportedWeights`): maps that memory at its weight addresses (runtime/engine/vmm.py:
+`adopt`): a gpu snapshot's reserved range, after the restore (`HandedOverWeights`); a process snapshot's new
+one, in `Engine.start`, in place of the loader. Anything the helper could not do (no local layout, no
+exportable memory, a chunk that fails its check) arrives as a reason instead, and the restored process
+streams the weights itself, logging why.
 """
 
 from __future__ import annotations
@@ -171,14 +175,56 @@ def receive_report(channel: socket.socket) -> tuple[StreamReport, int | None]:
 # -- the restored process's side ---------------------------------------------------------------------------
 
 
+class ExportedWeights:
+    """The restored process's end of the channel: `take()` waits for the helper's report and returns the
+    memory's (descriptor, bytes), or None (the reason logged) when the weights must be streamed here;
+    `mapped(ok)` lets the helper go. The engine's WeightHandover (runtime/engine/llm_engine.py)."""
+
+    def __init__(self, channel: socket.socket) -> None:
+        self._channel = channel
+        self._report: StreamReport | None = None
+        self._fd: int | None = None
+
+    def take(self) -> tuple[int, int] | None:
+        report, self._fd = receive_report(self._channel)
+        self._report = report
+        if not report.ok:
+            log.warning("weights not streamed during the restore (%s); streaming them now", report.reason)
+            self._channel.close()
+            return None
+        return self._fd, report.size
+
+    def close(self) -> None:
+        """Done with the channel, whatever happened (the helper, on EOF, frees what it streamed)."""
+        self._channel.close()
+
+    @property
+    def reason(self) -> str:
+        return self._report.reason if self._report is not None else ""
+
+    def mapped(self, ok: bool) -> tuple[float, float, dict]:
+        report = self._report
+        try:
+            os.close(self._fd)
+            if ok:
+                self._channel.sendall(ACK)
+        except OSError:
+            pass  # the helper is gone: the memory is ours through the imported handle
+        finally:
+            self._channel.close()
+        return report.started, report.finished, {"bytes": report.bytes, "during_restore": True,
+                                                 "tiers": report.tiers, "helper_context_s": report.context_s}
+
+
 class HandedOverWeights:
-    """Started right after the take-over: a thread waits for the helper's memory and maps it under the
-    weight range (or, if the helper could not deliver, streams the weights as the restored process always
-    did). `wait()` returns (when the weights started arriving, timeline detail)."""
+    """A weight-less gpu snapshot's weights, started right after the take-over: a thread waits for the
+    helper's memory and maps it under the weight range (or, if the helper could not deliver, streams the
+    weights as the restored process always did). `wait()` returns (when the weights started arriving,
+    timeline detail)."""
 
     def __init__(self, engine, channel: socket.socket) -> None:
         self._engine = engine
-        self._channel = channel
+        self._exported = ExportedWeights(channel)
         self._fallback = None
         self._result: tuple[float, dict] | None = None
         self._error: BaseException | None = None
@@ -189,29 +235,26 @@ class HandedOverWeights:
 
     def _receive(self) -> None:
         try:
-            report, fd = receive_report(self._channel)
-            if report.ok:
+            exported = self._exported.take()
+            reason = self._exported.reason
+            if exported is not None:
                 started = time.time()
                 try:
-                    self._engine.runner.allocator.releasable("weights").adopt(fd, report.size)
-                    self._channel.sendall(ACK)
-                    self._result = report.started, {
-                        "bytes": report.bytes, "during_restore": True, "tiers": report.tiers,
-                        "helper_context_s": report.context_s, "import_s": round(time.time() - started, 4)}
-                    return
+                    self._engine.runner.allocator.releasable("weights").adopt(*exported)
                 except Exception as exc:  # noqa: BLE001 - stream instead, and say why
-                    report = StreamReport(False, reason=f"mapping the helper's memory failed: {exc}")
-                finally:
-                    os.close(fd)
-            log.warning("weights not streamed during the restore (%s); streaming them now", report.reason)
+                    self._exported.mapped(False)
+                    reason = f"mapping the helper's memory failed: {exc}"
+                    log.warning("weights not streamed during the restore (%s); streaming them now", reason)
+                else:
+                    arrived, _, detail = self._exported.mapped(True)
+                    self._result = arrived, detail | {"import_s": round(time.time() - started, 4)}
+                    return
             started = time.time()
             self._fallback = self._engine.reload_weights()
             self._result = started, {"bytes": self._engine.plan.total_bytes, "after_restore": True,
-                                     "helper": report.reason}
+                                     "helper": reason}
         except BaseException as exc:  # noqa: BLE001 - raised by wait()
             self._error = exc
-        finally:
-            self._channel.close()
 
     def wait(self) -> tuple[float, dict]:
         self._thread.join()
@@ -222,3 +265,14 @@ class HandedOverWeights:
             if hasattr(self._fallback, "tier_stats"):
                 self._result[1]["tiers"] = self._fallback.tier_stats()
         return self._result
+
+
+if __name__ == "__main__":
+    # the process snapshot's helper: stream LAYOUT into exportable memory, hand it over on the channel
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="snapshots.weights_during_restore")
+    parser.add_argument("--weights", type=Path, required=True, help="the layout to stream")
+    parser.add_argument("--channel-fd", type=int, required=True, help="the socket to hand the weights over on")
+    args = parser.parse_args()
+    stream_for_handover(args.weights, socket.socket(fileno=args.channel_fd))

@@ -12,8 +12,9 @@ SERVER_MODES = ("gpu", "process", "materialized", "cold")
 BASELINE_MODE = "transformers"
 ALL_MODES = SERVER_MODES + (BASELINE_MODE,)
 #: a restore path with one setting changed, to compare the two in one run (never run unless named):
-#: gpu-after streams a weight-less gpu image's weights after the restore instead of during it
-VARIANTS = {"gpu-after": ("gpu", {"WEIGHTS_DURING_RESTORE": "0"})}
+#: gpu-after and process-after stream the weights after the restore instead of during it
+VARIANTS = {"gpu-after": ("gpu", {"WEIGHTS_DURING_RESTORE": "0"}),
+            "process-after": ("process", {"WEIGHTS_DURING_RESTORE": "0"})}
 
 
 @dataclass

@@ -46,16 +46,18 @@ class DeviceAllocator:
         self._buffers: list[torch.Tensor] = []
         self._releasable: dict = {}  # name -> ReleasableBuffer
 
-    def alloc(self, name: str, nbytes: int, releasable: bool = False) -> torch.Tensor:
+    def alloc(self, name: str, nbytes: int, releasable: bool = False,
+              adopt: tuple[int, int] | None = None) -> torch.Tensor:
         """A flat uint8 buffer of `nbytes`, kept alive for the engine's lifetime. A `releasable` one (CUDA
-        only) can give its physical memory back and get new memory at the same address (runtime/engine/vmm.py)."""
+        only) can give its physical memory back and get new memory at the same address (runtime/engine/vmm.py).
+        ADOPT (descriptor, size): releasable, backed by device memory another process exported (and filled)."""
         provided = self.provider.alloc(name, nbytes) if self.provider is not None else None
         if provided is not None:
             buffer = provided
-        elif releasable:
+        elif releasable or adopt is not None:
             from runtime.engine.vmm import ReleasableBuffer
 
-            owner = ReleasableBuffer(nbytes, self.device)
+            owner = ReleasableBuffer(nbytes, self.device, adopt)
             self._releasable[name] = owner
             buffer = owner.tensor
         else:

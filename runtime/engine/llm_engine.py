@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +47,8 @@ log = get_logger("engine")
 DEFAULT_MAX_MODEL_LEN = 4096
 #: how long the step loop waits, when waiting requests find no KV memory, before asking for it again
 STALL_WAIT_S = 0.002
+#: the longest the graph work left for after ready waits for the engine to be idle, per piece of work
+GRAPHS_STEP_ASIDE_S = 0.5
 
 
 class WeightLoad(Protocol):
@@ -72,7 +75,21 @@ class GraphRestorer(Protocol):
 
     def restore(self, runner: ModelRunner) -> dict[int, str]: ...
 
-    def restore_pending(self, runner: ModelRunner) -> dict[int, str]: ...
+    def restore_pending(self, runner: ModelRunner, step_aside: Callable[[], None]) -> dict[int, str]:
+        """STEP_ASIDE is called between units of work: it returns once the engine has no request to run."""
+
+
+class WeightHandover(Protocol):
+    """Device memory another process filled with the weights while this one was being restored (a process
+    snapshot's restore: snapshots/weights_during_restore.py)."""
+
+    def take(self) -> tuple[int, int] | None:
+        """Block until it is there: (POSIX descriptor, bytes) of the exported memory, or None (why is
+        logged): the engine streams the weights itself."""
+
+    def mapped(self, ok: bool) -> tuple[float, float, dict]:
+        """The memory is mapped (or failed to map): let the other process go. Returns (time.time() the
+        weights started and finished arriving, the timeline's detail)."""
 
 
 @dataclass
@@ -114,6 +131,8 @@ class Engine:
         self.kv_profile: KVProfile | None = None
         self.graph_fallbacks: dict[int, str] = {}
         self._graphs_thread: threading.Thread | None = None
+        self._device_lock = threading.Lock()
+        self._device_span: tuple[float, float, bool] | None = None  # (start, end, initialised ahead)
         self.ready = False
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._requests: dict[str, _Request] = {}
@@ -145,19 +164,13 @@ class Engine:
                               f"{model_config.max_position_embeddings} positions")
         return engine
 
-    def start(self, kv_blocks: int | None = None, graph_restorer: GraphRestorer | None = None,
-              capture_graphs: bool = True, releasable_memory: bool = False,
-              memory: MemoryProvider | None = None) -> None:
-        """Device phase. With `kv_blocks` and `graph_restorer` (materialised state) the KV profile and the
-        graph capture are skipped: the KV cache, and the graphs when the restorer says so, are set up before the
-        weights stream in (else beside them); without them, like vLLM: load, then profile, then capture.
-        `capture_graphs=False` leaves the graphs to the caller (faas-build materialises them).
-        `releasable_memory` puts the weights and the KV cache where `release_device_memory` can free them.
-        `memory`: where the weights and the KV cache live when a multi-model pool owns them (runtime/pool)."""
-        t = self.timeline
-        if graph_restorer is not None:
-            graph_restorer.read_ahead()  # while CUDA initialises, which leaves the GIL free most of the time
-        with t.stage(stages.CUDA_INIT, device=self.config.device):
+    def init_device(self, ahead: bool = False) -> None:
+        """Initialise CUDA (or set the CPU's threads), once. AHEAD: called on a thread of its own before
+        `start`, which then only waits for it (a restored process starts it the moment it resumes)."""
+        with self._device_lock:
+            if self._device_span is not None:
+                return
+            started = time.time()
             device = torch.device(self.config.device)
             if device.type == "cuda":
                 use_device(device)
@@ -165,9 +178,30 @@ class Engine:
                 torch.empty(1, device=device)
             else:
                 torch.set_num_threads(self.config.cpu_threads or cpu_threads())
+            self._device_span = (started, time.time(), ahead)
+
+    def start(self, kv_blocks: int | None = None, graph_restorer: GraphRestorer | None = None,
+              capture_graphs: bool = True, releasable_memory: bool = False,
+              memory: MemoryProvider | None = None, handover: WeightHandover | None = None) -> None:
+        """Device phase. With `kv_blocks` and `graph_restorer` (materialised state) the KV profile and the
+        graph capture are skipped: the KV cache, and the graphs when the restorer says so, are set up before the
+        weights stream in (else beside them); without them, like vLLM: load, then profile, then capture.
+        `capture_graphs=False` leaves the graphs to the caller (faas-build materialises them).
+        `releasable_memory` puts the weights and the KV cache where `release_device_memory` can free them.
+        `memory`: where the weights and the KV cache live when a multi-model pool owns them (runtime/pool).
+        `handover`: the weights are already on the device, in memory another process streamed them into."""
+        t = self.timeline
+        if graph_restorer is not None:
+            graph_restorer.read_ahead()  # while CUDA initialises, which leaves the GIL free most of the time
+        self.init_device()
+        started, ended, ahead = self._device_span
+        t.record(stages.CUDA_INIT, started, ended, device=self.config.device, **({"ahead": True} if ahead else {}))
+        device = torch.device(self.config.device)
+        if device.type == "cuda":  # current per thread, and this one may not be the one that initialised it
+            use_device(device if device.index is not None else torch.device("cuda", torch.cuda.current_device()))
         runner = ModelRunner(self.model, self.model_config, self.config, self.max_model_len, memory)
         self.runner = runner
-        buffer = runner.allocate_weights(self.plan, releasable_memory)
+        buffer, handed_over = self._weight_buffer(runner, releasable_memory, handover)
         graphs = bool(runner.graph_batch_sizes) and (capture_graphs or graph_restorer is not None)
         materialized = kv_blocks is not None
         graphs_first = materialized and graphs and graph_restorer is not None and graph_restorer.before_weights
@@ -176,13 +210,18 @@ class Engine:
             kv_blocks = self._allocate_kv(runner, kv_blocks, releasable_memory)
         if graphs_first:
             self._prepare_graphs(runner, graph_restorer)
-        with t.stage(stages.WEIGHTS, bytes=self.plan.total_bytes) as weights_stage:  # ended even if it fails
-            load = self._load_weights(self.plan, buffer)
-            if materialized and graphs and not graphs_first:  # no weight values needed: beside the stream
+        if handed_over is not None:
+            t.record(stages.WEIGHTS, *handed_over[:2], **handed_over[2])
+            if materialized and graphs and not graphs_first:
                 self._prepare_graphs(runner, graph_restorer)
-            load.wait()
-            if device.type == "cpu" and self.config.cpu_packed_weights:
-                weights_stage.detail.update(pack_linears(self.model))
+        else:
+            with t.stage(stages.WEIGHTS, bytes=self.plan.total_bytes) as weights_stage:  # ended even if it fails
+                load = self._load_weights(self.plan, buffer)
+                if materialized and graphs and not graphs_first:  # no weight values needed: beside the stream
+                    self._prepare_graphs(runner, graph_restorer)
+                load.wait()
+                if device.type == "cpu" and self.config.cpu_packed_weights:
+                    weights_stage.detail.update(pack_linears(self.model))
         if not materialized:
             kv_blocks = self._allocate_kv(runner, kv_blocks, releasable_memory)
             if graphs:
@@ -199,6 +238,24 @@ class Engine:
             self._graphs_thread = threading.Thread(target=self._restore_pending_graphs, args=(graph_restorer,),
                                                    name="graphs-after-ready", daemon=True)
             self._graphs_thread.start()
+
+    def _weight_buffer(self, runner: ModelRunner, releasable: bool, handover: WeightHandover | None,
+                       ) -> tuple[torch.Tensor, tuple[float, float, dict] | None]:
+        """The weight buffer, and with a HANDOVER that delivered, when its weights arrived (else None: the
+        buffer is new memory for the loader to fill)."""
+        exported = handover.take() if handover is not None else None
+        if exported is not None:
+            waited = time.time()
+            try:
+                buffer = runner.allocate_weights(self.plan, releasable, adopt=exported)
+            except Exception as exc:  # never fatal: the weights stream as they would without a handover
+                log.warning("mapping the weights streamed during the restore failed (%s); streaming them now", exc)
+                handover.mapped(False)
+            else:
+                started, finished, detail = handover.mapped(True)
+                detail["map_s"] = round(time.time() - waited, 4)
+                return buffer, (started, finished, detail)
+        return runner.allocate_weights(self.plan, releasable), None
 
     def _allocate_kv(self, runner: ModelRunner, kv_blocks: int | None, releasable: bool) -> int:
         """The KV cache: `config.num_kv_blocks` if set, else `kv_blocks` (materialised), else profiled on
@@ -237,7 +294,7 @@ class Engine:
         sizes = list(restorer.pending)
         with self.timeline.stage(stages.GRAPHS_AFTER_READY, graphs=len(sizes)) as stage:
             try:
-                fallbacks = restorer.restore_pending(self.runner)
+                fallbacks = restorer.restore_pending(self.runner, self._wait_until_idle)
             except Exception as exc:  # the engine keeps serving on the graphs it has
                 log.exception("restoring the remaining CUDA graphs failed")
                 fallbacks = {bs: str(exc) for bs in sizes if bs not in self.runner.graphs}
@@ -251,6 +308,14 @@ class Engine:
     def weights_loader(self) -> LoadWeights:
         """What fills the weight buffer (a multi-model pool streams evicted parts back with it)."""
         return self._load_weights
+
+    def _wait_until_idle(self) -> None:
+        """Between pieces of the graph work left for after ready: wait, GRAPHS_STEP_ASIDE_S at most, while
+        requests run. Its module loads and its hold on the GIL otherwise slow the first requests after a
+        restore; the bound keeps a steady load from starving it of its larger graphs."""
+        deadline = time.monotonic() + GRAPHS_STEP_ASIDE_S
+        while not self.idle and time.monotonic() < deadline:
+            time.sleep(0.002)
 
     @property
     def idle(self) -> bool:

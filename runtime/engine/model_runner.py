@@ -89,8 +89,10 @@ class ModelRunner:
 
     # -- allocation, in start-up order -------------------------------------------------------------
 
-    def allocate_weights(self, plan: WeightPlan, releasable: bool = False) -> torch.Tensor:
-        buffer = self.allocator.alloc("weights", plan.total_bytes, releasable)
+    def allocate_weights(self, plan: WeightPlan, releasable: bool = False,
+                         adopt: tuple[int, int] | None = None) -> torch.Tensor:
+        """The weight buffer and every parameter's view of it; ADOPT: see DeviceAllocator.alloc."""
+        buffer = self.allocator.alloc("weights", plan.total_bytes, releasable, adopt)
         bind_weights(self.model, tensor_views(buffer, plan))
         self.weight_buffer = buffer
         return buffer

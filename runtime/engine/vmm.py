@@ -17,9 +17,9 @@ from runtime.cuda_driver import DriverError, allocation_prop, call, granularity,
 class ReleasableBuffer:
     """A flat uint8 device buffer in its own reserved address range; `release()` frees its physical memory
     and keeps the range, `remap()` backs the range with new physical memory, `adopt()` with memory another
-    process exported."""
+    process exported. ADOPT (descriptor, size): backed from the start by that exported memory instead of new."""
 
-    def __init__(self, nbytes: int, device: torch.device) -> None:
+    def __init__(self, nbytes: int, device: torch.device, adopt: tuple[int, int] | None = None) -> None:
         from cuda.bindings import driver
 
         self._driver = driver
@@ -28,7 +28,11 @@ class ReleasableBuffer:
         self._prop = allocation_prop(self.device_index)
         self.ptr, self.size = reserve(self._prop, nbytes)
         self._handle = None
-        self.remap()
+        try:
+            self.adopt(*adopt) if adopt is not None else self.remap()
+        except DriverError:
+            call(driver.cuMemAddressFree(self.ptr, self.size), "cuMemAddressFree")
+            raise
         self.tensor = torch.as_tensor(_CudaArray(self.ptr, nbytes, self), device=device)
 
     @property

@@ -32,9 +32,11 @@ log = get_logger("snapshots.cudagraph")
 
 
 def load_kernels(runner: ModelRunner, batch_sizes: list[int], enough: Callable[[set[str]], bool] | None = None,
-                 found: dict[str, set[int]] | None = None) -> dict[str, set[int]]:
+                 found: dict[str, set[int]] | None = None,
+                 step_aside: Callable[[], None] | None = None) -> dict[str, set[int]]:
     """Run the first layers at each batch size, capture them, and return each kernel name's function handles
-    (added to `found`, if given). Stops early once `enough(names found so far)` says so."""
+    (added to `found`, if given). Stops early once `enough(names found so far)` says so. STEP_ASIDE, if
+    given, is called before each batch size (the engine may be serving meanwhile)."""
     found = {} if found is None else found
     # a capture needs a stream other than the legacy default, and one no other thread is handed
     # (runtime/cuda_driver/device.py); not the runner's: its graphs may be captured on it meanwhile
@@ -42,6 +44,8 @@ def load_kernels(runner: ModelRunner, batch_sizes: list[int], enough: Callable[[
     with torch.inference_mode():
         graphs: list[torch.cuda.CUDAGraph] = []  # alive until all are read: they share one pool
         for bs in batch_sizes:
+            if step_aside is not None:
+                step_aside()
             runner.run_first_layers(bs)  # loads this shape's modules outside the capture
             graph = torch.cuda.CUDAGraph(keep_graph=True)
             # capture_begin/end rather than torch.cuda.graph, whose entry synchronises the device (waiting for

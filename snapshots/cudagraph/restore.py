@@ -17,6 +17,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from ctypes import POINTER, c_size_t, c_void_p
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -155,23 +156,28 @@ class MaterializedGraphs:
                         "patch_s": round(t1 - patching, 4)}
         return {}
 
-    def restore_pending(self, runner: ModelRunner) -> dict[int, str]:
+    def restore_pending(self, runner: ModelRunner, step_aside: Callable[[], None] | None = None) -> dict[int, str]:
         """Build the graphs `restore` left pending, each usable as soon as it is built. Safe while the engine
-        serves: the kernel triggering runs on inputs of its own (ModelRunner.run_first_layers)."""
+        serves: the kernel triggering runs on inputs of its own (ModelRunner.run_first_layers). STEP_ASIDE
+        is called before each batch size's kernel triggering and each graph's build."""
         records = [self._graph_set.parse_graph(bs) for bs in self.pending]
-        fallbacks, self.pending_timings = self._build(runner, records)
+        fallbacks, self.pending_timings = self._build(runner, records, step_aside)
         self._blob, self._graph_set = None, None
         return fallbacks
 
-    def _build(self, runner: ModelRunner, records: list[GraphRecord]) -> tuple[dict[int, str], dict[str, float]]:
+    def _build(self, runner: ModelRunner, records: list[GraphRecord],
+               step_aside: Callable[[], None] | None = None) -> tuple[dict[int, str], dict[str, float]]:
         t0 = time.perf_counter()
         needed = kernel_names(records) - self._handles.keys()
         if needed:
-            found = load_kernels(runner, trigger_batch_sizes(records, needed), lambda names: needed <= names)
+            found = load_kernels(runner, trigger_batch_sizes(records, needed), lambda names: needed <= names,
+                                 step_aside=step_aside)
             self._handles.update(kernel_handles(found, needed))
         t1 = time.perf_counter()
         fallbacks = {}
         for record in records:
+            if step_aside is not None:
+                step_aside()
             try:
                 runner.graphs[record.batch_size] = build_graph(record, self._blob.ctypes.data, self._handles,
                                                                self._bases)

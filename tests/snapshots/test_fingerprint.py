@@ -47,3 +47,23 @@ def test_criu_prerequisites_say_why_not(monkeypatch):
     assert any("older than 4.0" in r for r in restore_blockers(Criu("/usr/sbin/criu", "3.17.1")))
     monkeypatch.setenv("AWS_LAMBDA_RUNTIME_API", "127.0.0.1:9001")
     assert "AWS Lambda grants no ptrace or checkpoint/restore capability" in restore_blockers(Criu("c", "4.1.1"))
+
+
+def test_the_installed_criu_version_is_read_from_its_record_unless_the_binary_is_newer(tmp_path):
+    """The bootstrap reads the version install_criu.sh recorded instead of running criu before each restore;
+    a binary replaced after the record (or a damaged record) is asked again."""
+    import os
+
+    from snapshots.criu import recorded_version
+
+    binary, record = tmp_path / "criu", tmp_path / "VERSION"
+    binary.write_text("#!/bin/sh\n")
+    record.write_text("4.1.1\n")
+    os.utime(binary, (1_000, 1_000))
+    assert recorded_version(record, binary) == "4.1.1"
+    os.utime(binary, (record.stat().st_mtime + 10,) * 2)
+    assert recorded_version(record, binary) is None
+    os.utime(binary, (1_000, 1_000))
+    record.write_text("criu: not found\n")
+    assert recorded_version(record, binary) is None
+    assert recorded_version(tmp_path / "missing", binary) is None

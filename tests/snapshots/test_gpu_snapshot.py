@@ -122,13 +122,14 @@ def greedy_tokens(server) -> tuple[list[str], list[float]]:
 
 
 @pytest.mark.parametrize("shape", REAL_SHAPES)
-def test_a_real_shapes_gpu_snapshot_serves_like_a_cold_start(shape, tmp_path):
+def test_a_real_shapes_snapshots_serve_like_a_cold_start(shape, tmp_path):
     """The default gpu snapshot (weights left out, streamed during the restore, warmed up, the context's
-    stack released) of a model of a real shape: the same 48 greedy tokens with the same logprobs, to the
+    stack released) and the default process snapshot (weights streamed by a helper during the restore,
+    materialised graphs) of a model of a real shape: the same 48 greedy tokens with the same logprobs, to the
     last bit, as a cold start on the same GPU."""
     from runtime.weights.layout import write_layout
     from scripts.model_shapes import make_random_model_dir
-    from snapshots.gpu import bake_gpu_snapshot
+    from snapshots.bake import bake_snapshots
 
     layout = tmp_path / shape
     write_layout(str(make_random_model_dir(tmp_path / "source", shape)), str(layout), dtype="bfloat16",
@@ -136,9 +137,11 @@ def test_a_real_shapes_gpu_snapshot_serves_like_a_cold_start(shape, tmp_path):
     shutil.rmtree(tmp_path / "source")
     env = {"DEVICE": "cuda", "MAX_MODEL_LEN": "4096", "GPU_MEMORY_UTILIZATION": SHAPE_MEMORY.get(shape, "0.25")}
     snapshot_dir = tmp_path / "snapshots"
-    bake_gpu_snapshot(Settings.from_env({"MODEL": str(layout), **env}), layout, snapshot_dir)
+    settings = Settings.from_env({"MODEL": str(layout), "SNAPSHOT_DIR": str(snapshot_dir), **env})
+    baked = {r.kind: r.status for r in bake_snapshots(settings, layout, kinds=("materialized", "process", "gpu"))}
+    assert set(baked.values()) == {"baked"}, baked
     served = {}
-    for name in ("cold", "gpu"):
+    for name in ("cold", "gpu", "process"):
         server = start_server(tmp_path, name, MODEL=str(layout), API_KEY=API_KEY, RESTORE=name,
                               SNAPSHOT_DIR=str(snapshot_dir), **env)
         try:
@@ -149,4 +152,4 @@ def test_a_real_shapes_gpu_snapshot_serves_like_a_cold_start(shape, tmp_path):
         finally:
             assert server.stop() == 0
     assert len(served["cold"][0]) == 48
-    assert served["gpu"] == served["cold"]
+    assert served["gpu"] == served["cold"] and served["process"] == served["cold"]

@@ -1,0 +1,87 @@
+"""The disk's parallel read rate over a model's files: what a start from cold disk is held against.
+
+`read_files` is the plain parallel read (N threads, preadv of 64 MiB pieces into reused buffers, the data
+thrown away); `measure_disk_read` drops the page cache before each thread count it tries and keeps the
+fastest, so that the reference is the disk's best rate on that machine, not one guess of it."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from runtime.bench.page_cache import drop_page_cache
+
+MiB, GiB = 1 << 20, 1 << 30
+PIECE_BYTES = 64 * MiB
+#: thread counts tried: on the H100 machine's disk 8 read fastest and 16 was 15% slower (one measurement)
+THREAD_COUNTS = (8, 16)
+
+_pools: dict[int, ThreadPoolExecutor] = {}  # kept across calls, and so are their buffers: no page faults timed
+_buffers = threading.local()
+
+
+def read_files(paths: list[Path], threads: int = 16, piece: int = PIECE_BYTES) -> int:
+    """Read every byte of PATHS with THREADS threads at once; returns the bytes read."""
+    pool = _pools.setdefault(threads, ThreadPoolExecutor(threads, thread_name_prefix="disk-read"))
+    fds = {p: os.open(p, os.O_RDONLY) for p in paths}
+
+    def read(job: tuple[Path, int]) -> int:
+        path, offset = job
+        if getattr(_buffers, "size", 0) != piece:
+            _buffers.buf, _buffers.size = bytearray(piece), piece
+        return os.preadv(fds[path], [_buffers.buf], offset)
+
+    try:
+        jobs = [(p, offset) for p in paths for offset in range(0, p.stat().st_size, piece)]
+        return sum(pool.map(read, jobs))
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+@dataclass
+class DiskRead:
+    """Seconds to read `bytes` from cold disk per thread count, and the best of them."""
+
+    bytes: int
+    seconds: dict[int, float] = field(default_factory=dict)
+
+    @property
+    def best_s(self) -> float:
+        return min(self.seconds.values())
+
+    @property
+    def best_gib_s(self) -> float:
+        return self.bytes / self.best_s / GiB
+
+    def as_dict(self) -> dict:
+        return {"bytes": self.bytes, "seconds_by_threads": {str(k): round(v, 4) for k, v in self.seconds.items()},
+                "best_s": round(self.best_s, 4), "best_gib_s": round(self.best_gib_s, 3)}
+
+    def summary(self) -> str:
+        tried = ", ".join(f"{n} threads {s:.2f} s" for n, s in self.seconds.items())
+        return (f"reading the model's {self.bytes / GiB:.2f} GiB from cold disk: {tried} "
+                f"(best {self.best_gib_s:.2f} GiB/s)")
+
+
+def model_files(root: Path) -> list[Path]:
+    return [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+
+
+def measure_disk_read(root: Path, thread_counts: tuple[int, ...] = THREAD_COUNTS) -> DiskRead | str:
+    """Every file under ROOT read from cold disk with each thread count; the reason instead where the page
+    cache cannot be dropped (not root)."""
+    files = model_files(root)
+    result = DiskRead(sum(p.stat().st_size for p in files))
+    for threads in thread_counts:
+        why_not = drop_page_cache()
+        if why_not:
+            return why_not
+        started = time.perf_counter()
+        read_files(files, threads)
+        result.seconds[threads] = time.perf_counter() - started
+    return result

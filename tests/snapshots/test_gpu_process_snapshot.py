@@ -1,0 +1,62 @@
+"""Process snapshots of a CUDA engine on the GPU machine: restored by faas-bootstrap with the weights streamed
+by a helper during the CRIU restore (the default) or by the restored runtime after it, serving the same
+greedy tokens and logprobs as a cold start on the same GPU."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from runtime.config import Settings
+from snapshots.bake import bake_snapshots
+from tests.server.conftest import API_KEY, start_server
+
+pytestmark = [pytest.mark.gpu, pytest.mark.criu]
+
+GPU_ENV = {"DEVICE": "cuda", "MAX_MODEL_LEN": "2048", "MAX_NUM_SEQS": "16", "GPU_MEMORY_UTILIZATION": "0.05"}
+
+
+def greedy_tokens(server) -> tuple[list[str], list[float]]:
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    r = client.completions.create(model="tiny-llama", prompt="The process snapshot restores", max_tokens=24,
+                                  temperature=0.0, logprobs=1, extra_body={"ignore_eos": True})
+    return r.choices[0].logprobs.tokens, r.choices[0].logprobs.token_logprobs
+
+
+def stage(state: dict, name: str) -> dict:
+    return next(s for s in state["stages"] if s["stage"] == name)
+
+
+def test_process_snapshot_weights_stream_during_the_restore(tiny_model_dir, tmp_path):
+    from runtime.weights.layout import write_layout
+
+    layout = tmp_path / "layout" / "tiny-llama"  # the helper streams faas-build layouts
+    write_layout(str(tiny_model_dir), str(layout), dtype="bfloat16", file_bytes=1 << 20, chunk_bytes=1 << 18,
+                 progress=False)
+    snapshot_dir = tmp_path / "snapshots"
+    settings = Settings.from_env({"MODEL": str(layout), "SNAPSHOT_DIR": str(snapshot_dir), **GPU_ENV})
+    baked = {r.kind: r.status for r in bake_snapshots(settings, layout, kinds=("materialized", "process"))}
+    assert baked == {"materialized": "baked", "process": "baked"}, baked
+
+    served = {}
+    for name, restore, during in (("cold", "cold", "1"), ("during", "process", "1"), ("after", "process", "0")):
+        server = start_server(tmp_path, name, MODEL=str(layout), SNAPSHOT_DIR=str(snapshot_dir), API_KEY=API_KEY,
+                              RESTORE=restore, WEIGHTS_DURING_RESTORE=during, **GPU_ENV)
+        try:
+            server.wait_ready(timeout=300)
+            state = httpx.get(f"{server.url}/health", timeout=5).json()
+            assert state["restore_path"] == restore, state
+            served[name] = greedy_tokens(server)
+        finally:
+            assert server.stop() == 0
+        weights = stage(state, "weights")
+        if name == "during":
+            # streamed by the helper, which started before CRIU did; the CUDA context made as the runtime resumed
+            assert weights["detail"]["during_restore"] and weights["detail"]["bytes"] > 0, weights
+            assert weights["start_s"] < stage(state, "restore")["end_s"], state["stages"]
+            assert stage(state, "cuda_init")["detail"].get("ahead"), state["stages"]
+        else:
+            assert not weights["detail"].get("during_restore"), weights
+    assert len(served["cold"][0]) == 24
+    assert served["during"] == served["cold"] and served["after"] == served["cold"]
