@@ -13,7 +13,11 @@
 #   model:SHAPE         a random-weight model directory of SHAPE in $MODELS (seed 0)
 #   bake:SHAPE          faas-build: its layout and every snapshot this machine can bake (timed in turns)
 #   coldstart:SHAPE     faas-bench coldstart over every restore path and transformers, page cache warm
-#   coldstart-dropped:SHAPE   the same with the page cache dropped before each start
+#                       ($COLDSTART_MODES: other --modes, e.g. gpu,process,process-after,cold)
+#   coldstart-dropped:SHAPE   the same with the page cache dropped before each start, beside the disk's
+#                       parallel read of the model
+#   verify:SHAPE        scripts/bench_snapshot_verify.py on SHAPE's process and gpu snapshots: what checking
+#                       the image files adds to a restore
 #   auto:SHAPE          faas-bootstrap with RESTORE=auto on the baked snapshots: the path it took and the
 #                       order faas-build measured (its /health), into $RESULTS/auto-h100-SHAPE.json
 #   serving:SHAPE       scripts/bench_serving.py (throughput, prefix caching, chunked prefill)
@@ -87,7 +91,18 @@ coldstart() {
     say "faas-bench coldstart $shape (page cache $cache)"
     "$PY" -m runtime.bench.cli coldstart --model "$dir-baked/layout" --baseline-model "$dir" \
         --snapshot-dir "$dir-baked/snapshots" --device cuda --repeat "$REPEAT" --page-cache "$cache" \
-        --out "$RESULTS/$name"
+        ${COLDSTART_MODES:+--modes "$COLDSTART_MODES"} --out "$RESULTS/$name"
+}
+
+verify() {
+    local shape=$1 dir kind
+    dir=$(model_dir "$shape")
+    [ -d "$dir-baked" ] || bake "$shape"
+    for kind in process gpu; do
+        say "bench_snapshot_verify $shape $kind"
+        MODEL="$dir-baked/layout" DEVICE=cuda "$PY" scripts/bench_snapshot_verify.py \
+            --snapshot-dir "$dir-baked/snapshots" --kind "$kind" --out "$RESULTS/snapshot-verify-h100-$shape-$kind.json"
+    done
 }
 
 auto_start() {
@@ -143,6 +158,7 @@ for step in "$@"; do
         coldstart:*) coldstart "${step#coldstart:}" warm ;;
         coldstart-dropped:*) coldstart "${step#coldstart-dropped:}" dropped ;;
         auto:*) auto_start "${step#auto:}" ;;
+        verify:*) verify "${step#verify:}" ;;
         serving:*) serving "${step#serving:}" ;;
         switch) switch ;;
         *) echo "gpu_suite: unknown step $step" >&2; exit 2 ;;
