@@ -82,6 +82,17 @@ def _bool(text: str) -> bool:
     raise ValueError("must be true or false")
 
 
+def _auto_or_bool(text: str) -> str:
+    """auto, always, never, or a boolean as always / never."""
+    value = text.strip().lower()
+    if value in ("auto", "always", "never"):
+        return value
+    try:
+        return "always" if _bool(value) else "never"
+    except ValueError:
+        raise ValueError("must be auto, 1 or 0") from None
+
+
 def _optional_path(text: str) -> Path | None:
     return Path(text).expanduser() if text else None
 
@@ -226,11 +237,12 @@ class Settings:
         "GPU_SNAPSHOT_WARM_UP", _bool, True,
         "faas-build gpu snapshots: serve a few throwaway requests before the checkpoint, so that a first greedy "
         "or sampled request after a restore finds its kernels loaded (0: checkpoint straight after the start)")
-    weights_during_restore: bool = _setting(
-        "WEIGHTS_DURING_RESTORE", _bool, True,
-        "process snapshots on cuda, and gpu snapshots baked with GPU_SNAPSHOT_WEIGHTS=stream: a helper process "
-        "streams the weights while CRIU restores the runtime (1), or the restored runtime streams them "
-        "itself after its restore (0)")
+    weights_during_restore: str = _setting(
+        "WEIGHTS_DURING_RESTORE", _auto_or_bool, "auto",
+        "who streams the weights of a CRIU restore (gpu snapshots baked with GPU_SNAPSHOT_WEIGHTS=stream, process "
+        "snapshots on cuda): auto (a helper process, while CRIU restores the runtime; for a process snapshot "
+        "only when they are not in the page cache), 1 (the helper, always) or 0 (the restored runtime, after "
+        "its restore)")
     handler: str = _setting(
         "HANDLER", str, "handlers.openai:handler", "module:attribute of the handler to serve")
     served_model_name: str | None = _setting(

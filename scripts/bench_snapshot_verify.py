@@ -59,10 +59,12 @@ def boot(snapshot_dir: Path, env: dict[str, str], timeout: float = 300.0) -> dic
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    paths = [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]  # keep where the packages are
     env = os.environ | env | {"SNAPSHOT_DIR": str(snapshot_dir), "PORT": str(port), "HOST": "127.0.0.1",
-                              "PYTHONPATH": str(REPO)}
+                              "PYTHONPATH": os.pathsep.join(paths)}
+    log = tempfile.TemporaryFile(mode="w+")
     process = subprocess.Popen([sys.executable, "-m", "runtime.bootstrap"], cwd=REPO, env=env,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                               stdout=subprocess.DEVNULL, stderr=log)
     try:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -73,12 +75,15 @@ def boot(snapshot_dir: Path, env: dict[str, str], timeout: float = 300.0) -> dic
             except httpx.TransportError:
                 pass
             if process.poll() is not None:
-                raise RuntimeError(f"faas-bootstrap exited {process.returncode}")
+                log.seek(0)
+                tail = "\n".join(log.read().strip().splitlines()[-15:])
+                raise RuntimeError(f"faas-bootstrap exited {process.returncode}:\n{tail}")
             time.sleep(0.05)
         raise TimeoutError("not ready")
     finally:
         process.terminate()
         process.wait(60)
+        log.close()
 
 
 def added_by_check(health: dict, kind: str) -> dict:

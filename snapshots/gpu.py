@@ -28,7 +28,7 @@ log = get_logger("snapshots.gpu")
 GPU_CRIU_OPTIONS = ["--ext-unix-sk"]
 
 
-def gpu_hooks(weights_during_restore: bool = False) -> CriuHooks:
+def gpu_hooks(weights_during_restore: str = "never") -> CriuHooks:
     """WEIGHTS_DURING_RESTORE: at boot, let the CUDA restore helper stream a weight-less image's weights
     while CRIU restores (snapshots/weights_during_restore.py)."""
     if importlib.util.find_spec("cuda.bindings") is None:
@@ -37,7 +37,7 @@ def gpu_hooks(weights_during_restore: bool = False) -> CriuHooks:
     def start_cuda_restore(image: SnapshotImage, boot: bool) -> "RestoreHelper":
         from snapshots.cuda_checkpoint import RestoreHelper
 
-        stream = boot and weights_during_restore and image.weights_left_out
+        stream = boot and weights_during_restore != "never" and image.weights_left_out
         return RestoreHelper(Path(image.model_dir) if stream else None)
 
     return CriuHooks(before_dump=_checkpoint_cuda, start_restore_helper=start_cuda_restore,

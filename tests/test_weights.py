@@ -84,6 +84,23 @@ def test_readers_are_started_with_the_loader_and_kept_for_the_next_load(tiny_mod
     assert _reader_threads() == kept
 
 
+def test_a_finished_load_leaves_nothing_holding_its_buffer(local_layout):
+    """Once a load is waited for and dropped, its buffer is freed: the idle reader threads keep no reference
+    to it (they did, through the last job's stream, and an engine shut down before a second one started on the
+    same GPU kept its whole weights)."""
+    import gc
+    import weakref
+
+    plan = plan_weights(ModelConfig.from_dir(local_layout), "float32")
+    stream = LayoutLoader(local_layout, LoaderOptions(threads=3, read_bytes=20_000))(
+        plan, torch.zeros(plan.total_bytes, dtype=torch.uint8))
+    stream.wait()
+    gone = weakref.ref(stream)  # the stream holds the buffer (on a GPU, through its sink)
+    del stream
+    gc.collect()
+    assert gone() is None
+
+
 def test_a_second_run_of_readers_never_waits_behind_the_first():
     pool = ReaderPool("test-reader")
     everyone = threading.Barrier(5, timeout=10)  # passes only if all five jobs run at the same time

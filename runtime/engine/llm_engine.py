@@ -292,6 +292,7 @@ class Engine:
     def _restore_pending_graphs(self, restorer: GraphRestorer) -> None:
         use_device(self.runner.device)
         sizes = list(restorer.pending)
+        self._wait_for_first_request()
         with self.timeline.stage(stages.GRAPHS_AFTER_READY, graphs=len(sizes)) as stage:
             try:
                 fallbacks = restorer.restore_pending(self.runner, self._wait_until_idle)
@@ -308,6 +309,13 @@ class Engine:
     def weights_loader(self) -> LoadWeights:
         """What fills the weight buffer (a multi-model pool streams evicted parts back with it)."""
         return self._load_weights
+
+    def _wait_for_first_request(self) -> None:
+        """The request that woke a scaled-to-zero function is usually waiting as the engine becomes ready: the
+        graph work left for after ready lets it through first (GRAPHS_STEP_ASIDE_S at most)."""
+        deadline = time.monotonic() + GRAPHS_STEP_ASIDE_S
+        while (self._steps == 0 or not self.idle) and time.monotonic() < deadline:
+            time.sleep(0.002)
 
     def _wait_until_idle(self) -> None:
         """Between pieces of the graph work left for after ready: wait, GRAPHS_STEP_ASIDE_S at most, while

@@ -85,6 +85,9 @@ class ReaderPool:
                 with self._lock:
                     self._busy -= 1
                 jobs.one_returned()
+                # a thread waiting for its next job must not keep this one's load alive: the job is a
+                # stream's method, and the stream holds the buffer it filled (the whole weights)
+                del job, jobs
 
 
 #: the process's reader threads, shared by every load

@@ -160,7 +160,11 @@ class MaterializedGraphs:
         """Build the graphs `restore` left pending, each usable as soon as it is built. Safe while the engine
         serves: the kernel triggering runs on inputs of its own (ModelRunner.run_first_layers). STEP_ASIDE
         is called before each batch size's kernel triggering and each graph's build."""
-        records = [self._graph_set.parse_graph(bs) for bs in self.pending]
+        records = []
+        for bs in self.pending:  # ~12,000 nodes for 31 graphs, parsed in Python: the GIL, a graph at a time
+            if step_aside is not None:
+                step_aside()
+            records.append(self._graph_set.parse_graph(bs))
         fallbacks, self.pending_timings = self._build(runner, records, step_aside)
         self._blob, self._graph_set = None, None
         return fallbacks

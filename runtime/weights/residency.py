@@ -1,0 +1,49 @@
+"""How much of a set of files is in the page cache, asked of the kernel (cachestat(2), Linux 6.5+) without
+reading or mapping them. A restore uses it to choose who streams the weights (snapshots/process.py)."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from pathlib import Path
+
+SYS_CACHESTAT = 451  # the same number on x86_64 and arm64
+
+
+class _Range(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]  # len 0: to the end of the file
+
+
+class _Stat(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_uint64) for name in
+                ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted", "nr_recently_evicted")]
+
+
+@functools.cache
+def _syscall():
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    return libc.syscall
+
+
+def cached_fraction(paths: list[Path]) -> float | None:
+    """The share of the files' pages in the page cache (0.0-1.0), or None where the kernel cannot say."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    cached = total = 0
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            stat = _Stat()
+            if _syscall()(ctypes.c_long(SYS_CACHESTAT), ctypes.c_int(fd), ctypes.byref(_Range(0, 0)),
+                          ctypes.byref(stat), ctypes.c_uint(0)) != 0:
+                return None
+            cached += stat.nr_cache
+            total += -(-os.fstat(fd).st_size // page)
+        finally:
+            os.close(fd)
+    return min(1.0, cached / total) if total else 1.0
+
+
+def files_in(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.iterdir() if p.is_file())
