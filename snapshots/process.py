@@ -73,7 +73,7 @@ def process_hooks(weights_during_restore: str) -> CriuHooks:
         return CriuHooks()
 
     def start_weights_helper(image: SnapshotImage, boot: bool) -> "RestoreHelper | None":
-        if not boot or image.engine_device().split(":")[0] != "cuda" or not _has_cuda_bindings():
+        if not boot or image.engine_device().split(":")[0] != "cuda":
             return None
         from runtime.weights.residency import cached_fraction, files_in
 
@@ -81,6 +81,8 @@ def process_hooks(weights_during_restore: str) -> CriuHooks:
         if weights_during_restore == "auto" and cached is not None and cached >= CACHED_ENOUGH:
             log.info("process snapshot: %.0f%% of the weights in the page cache: the restored runtime loads them",
                      100 * cached)
+            return None
+        if not _has_cuda_bindings():  # after the cheap check: looking the package up costs milliseconds
             return None
         from snapshots.cuda_checkpoint import RestoreHelper
 
