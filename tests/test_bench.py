@@ -180,3 +180,17 @@ def test_the_disk_read_reference_reads_every_byte_of_the_model_or_says_why_not(t
     else:
         assert isinstance(measured, DiskRead) and measured.bytes == sum(sizes)
         assert set(measured.seconds) == {1, 2} and measured.best_s == min(measured.seconds.values())
+
+
+def test_replot_draws_a_committed_runs_figure_from_its_json_and_refuses_bad_input(tmp_path):
+    repo = Path(__file__).resolve().parents[1]
+    out = tmp_path / "coldstart.png"
+    run = subprocess.run([sys.executable, "scripts/replot.py", "coldstart",
+                          "docs/benchmarks/coldstart-h100-llama-3-8b.json", str(out)],
+                         cwd=repo, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    bad = subprocess.run([sys.executable, "scripts/replot.py", "switch", str(tmp_path / "missing.json"),
+                          str(tmp_path / "also-missing.json"), str(tmp_path / "s.png")],
+                         cwd=repo, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "missing.json" in bad.stderr
