@@ -4,11 +4,14 @@ A batch in which every sequence decodes one token is attended as one: every sequ
 once (padded to the longest, the padding masked), two batched products. Otherwise, per sequence, the keys
 and values of its blocks are gathered (one copy of its KV, [L, kv_heads, head_dim]), and its queries, the
 last `num_q` of its `seq_len` positions, attend to them without masks:
-- a whole prompt (no cached context) is plain causal attention (`is_causal`, the flash kernel);
+- a whole prompt (no cached context) is plain causal attention (`is_causal`, the flash kernel: given as one
+  batch of 4-D tensors, since with 3-D ones torch takes its math path on the CPU, 4-7 times slower from 512
+  to 3,000 tokens on 2 cores);
 - one query (decode) sees every key, so it needs no mask at all: two products per key head;
 - a slice of a prompt after cached context sees all of the context and its own keys causally: the two parts
   are attended separately and merged by their log-sum-exps, as flash attention merges its key blocks.
-Grouped-query heads are not repeated: the kernels read each key head for its group of query heads.
+Grouped-query heads are not repeated, except for the log-sum-exp kernel below: the kernels read each key head
+for its group of query heads.
 The plain reference (runtime/engine/layers/attention.py, a boolean mask per sequence) is what this is tested
 against; the mask cost more than the attention itself on long prompts.
 """
@@ -80,7 +83,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> 
     if num_q == 1:
         return _one_query(q, k, v, scale)
     if context == 0:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+        return F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale,
+                                              enable_gqa=True)[0]
     before, before_lse = _with_lse(q, k[:, :context], v[:, :context], scale, causal=False)
     own, own_lse = _with_lse(q, k[:, context:], v[:, context:], scale, causal=True)
     lse = torch.logaddexp(before_lse, own_lse)
