@@ -24,3 +24,4 @@ def test_files_just_written_are_cached_and_dropped_pages_are_not(tmp_path):
         os.close(fd)
     assert 0.4 < cached_fraction(files) < 0.6
     assert cached_fraction([]) == 1.0
+    assert cached_fraction([tmp_path / "gone.bin"]) is None

@@ -28,11 +28,15 @@ def _syscall():
 
 
 def cached_fraction(paths: list[Path]) -> float | None:
-    """The share of the files' pages in the page cache (0.0-1.0), or None where the kernel cannot say."""
+    """The share of the files' pages in the page cache (0.0-1.0), or None where the kernel cannot say (or a
+    file cannot be opened: whoever reads them next will say why)."""
     page = os.sysconf("SC_PAGE_SIZE")
     cached = total = 0
     for path in paths:
-        fd = os.open(path, os.O_RDONLY)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            return None
         try:
             stat = _Stat()
             if _syscall()(ctypes.c_long(SYS_CACHESTAT), ctypes.c_int(fd), ctypes.byref(_Range(0, 0)),
