@@ -51,6 +51,7 @@ import torch  # noqa: E402
 
 from runtime.weights.layout import write_layout  # noqa: E402
 from runtime.bench.disk_read import read_files as parallel_read  # noqa: E402
+from runtime.bench.page_cache import drop_page_cache  # noqa: E402
 from runtime.weights.loader import LoaderOptions, LayoutLoader  # noqa: E402
 from runtime.weights.manifest import DEFAULT_HASH, HASHES, Manifest  # noqa: E402
 
@@ -58,12 +59,7 @@ GiB, MiB = 1 << 30, 1 << 20
 
 
 def drop_caches() -> bool:
-    try:
-        os.sync()
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
-    except OSError:
-        return False
+    return drop_page_cache() is None
 
 
 def settle() -> None:

@@ -15,25 +15,21 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from runtime.bench.plots import plot_coldstart, plot_switch  # noqa: E402
+from runtime.bench.plots import coldstart_title, plot_coldstart, plot_switch, switch_title  # noqa: E402
 from runtime.bench.records import ModeResult, StartRun  # noqa: E402
 
 
 def coldstart(data: dict, out: Path) -> None:
     results = [ModeResult(m["mode"], m["status"], m["reason"], [StartRun(**r) for r in m["runs"]])
                for m in data["modes"].values()]
-    machine = data["machine"]
-    title = (f"cold start of {data['model']} on {', '.join(machine['gpus']) or 'CPU'} "
-             f"(page cache {data['page_cache']}, {machine['date_utc'][:10]})")
-    plot_coldstart(results, out, title)
+    plot_coldstart(results, out, coldstart_title(data))
 
 
 def switch(latency: dict, trace: dict, out: Path) -> None:
     fresh = {k: min((r["spawn_to_first_token_s"] for r in v["runs"]), default=None)
              for k, v in latency["fresh"].items()}
     points = [p for p in trace["points"] if p["status"] == "ok"]
-    gpus = ", ".join(latency["machine"]["gpus"]) or "CPU"
-    plot_switch(latency["probes"], fresh, points, out, f"{len(latency['models'])} models in one instance on {gpus}")
+    plot_switch(latency["probes"], fresh, points, out, switch_title(latency))
 
 
 def main() -> int:

@@ -93,11 +93,11 @@ def bake_process(settings: Settings, model_dir: Path) -> str:
 
 
 def bake_gpu(settings: Settings, model_dir: Path) -> str:
-    import importlib.util
-
     if resolved_device(settings) != "cuda":
         raise CannotBake("needs a GPU")
-    if importlib.util.find_spec("cuda.bindings") is None:
+    from runtime.cuda_driver import bindings_installed
+
+    if not bindings_installed():
         raise CannotBake("cuda-bindings is not installed (the CUDA checkpoint API)")
     _require_criu()
     from snapshots.gpu import bake_gpu_snapshot

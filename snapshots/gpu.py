@@ -9,11 +9,11 @@ its instance; the engine serves without a device phase.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from runtime.config import Settings
+from runtime.cuda_driver import bindings_installed
 from runtime.logs import get_logger
 from runtime.start_paths import SkipPath
 from snapshots.image import SnapshotImage
@@ -31,7 +31,7 @@ GPU_CRIU_OPTIONS = ["--ext-unix-sk"]
 def gpu_hooks(weights_during_restore: str = "never") -> CriuHooks:
     """WEIGHTS_DURING_RESTORE: at boot, let the CUDA restore helper stream a weight-less image's weights
     while CRIU restores (snapshots/weights_during_restore.py)."""
-    if importlib.util.find_spec("cuda.bindings") is None:
+    if not bindings_installed():
         raise SkipPath("cuda-bindings is not installed (the CUDA checkpoint API)")
 
     def start_cuda_restore(image: SnapshotImage, boot: bool) -> "RestoreHelper":

@@ -8,7 +8,6 @@ boot side, shared with gpu snapshots: restore, (hook), hand over, leave the proc
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import tempfile
 import time
@@ -82,7 +81,9 @@ def process_hooks(weights_during_restore: str) -> CriuHooks:
             log.info("process snapshot: %.0f%% of the weights in the page cache: the restored runtime loads them",
                      100 * cached)
             return None
-        if not _has_cuda_bindings():  # after the cheap check: looking the package up costs milliseconds
+        from runtime.cuda_driver import bindings_installed
+
+        if not bindings_installed():  # after the cheap check: looking the package up costs milliseconds
             return None
         from snapshots.cuda_checkpoint import RestoreHelper
 
@@ -91,13 +92,6 @@ def process_hooks(weights_during_restore: str) -> CriuHooks:
         return RestoreHelper(Path(image.model_dir), cuda_restore=False)
 
     return CriuHooks(start_restore_helper=start_weights_helper)
-
-
-def _has_cuda_bindings() -> bool:
-    try:
-        return importlib.util.find_spec("cuda.bindings") is not None
-    except ModuleNotFoundError:  # no `cuda` package at all
-        return False
 
 
 def bake_snapshot(kind: str, settings: Settings, model_dir: Path, snapshot_dir: Path, hooks: CriuHooks,

@@ -8,7 +8,7 @@ from pathlib import Path
 from runtime.bench.coldstart import ColdStartPlan, run_coldstart
 from runtime.bench.disk_read import DiskRead, measure_disk_read
 from runtime.bench.machine import describe_machine
-from runtime.bench.plots import plot_coldstart
+from runtime.bench.plots import coldstart_title, plot_coldstart
 from runtime.bench.report import provenance, coldstart_json, coldstart_table, write_json
 
 
@@ -34,10 +34,7 @@ async def run_coldstart_command(args: argparse.Namespace, settings: dict[str, st
     write_json(args.out / "coldstart.json", coldstart_json(results, context))
     table = provenance(context) + "\n\n" + table
     (args.out / "coldstart.md").write_text(table + "\n")
-    machine = context["machine"]
-    title = (f"cold start of {context['model']} on {', '.join(machine['gpus']) or 'CPU'} "
-             f"(page cache {args.page_cache}, {machine['date_utc'][:10]})")
-    plot_coldstart(results, args.out / "coldstart.png", title)
+    plot_coldstart(results, args.out / "coldstart.png", coldstart_title(context))
     print(table)
     print(f"\nwrote {args.out / 'coldstart.json'}, {args.out / 'coldstart.png'}, {args.out / 'coldstart.md'}")
     return 1 if any(r.status == "failed" for r in results) else 0

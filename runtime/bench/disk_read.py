@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runtime.bench.page_cache import drop_page_cache
+from runtime.bench.page_cache import drop_page_cache, files_under
 
 MiB, GiB = 1 << 20, 1 << 30
 PIECE_BYTES = 64 * MiB
@@ -68,14 +68,10 @@ class DiskRead:
                 f"(best {self.best_gib_s:.2f} GiB/s)")
 
 
-def model_files(root: Path) -> list[Path]:
-    return [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
-
-
 def measure_disk_read(root: Path, thread_counts: tuple[int, ...] = THREAD_COUNTS) -> DiskRead | str:
     """Every file under ROOT read from cold disk with each thread count; the reason instead where the page
     cache cannot be dropped (not root)."""
-    files = model_files(root)
+    files = files_under(root)
     result = DiskRead(sum(p.stat().st_size for p in files))
     for threads in thread_counts:
         why_not = drop_page_cache()

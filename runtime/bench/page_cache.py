@@ -19,12 +19,16 @@ def drop_page_cache() -> str | None:
     return None
 
 
+def files_under(root: Path) -> list[Path]:
+    """ROOT itself if it is a file, else every file under it."""
+    return [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
+
+
 def warm_page_cache(paths: list[Path]) -> int:
     """Read every file under `paths` once so the next start finds them in memory. Returns bytes read."""
     total = 0
     for root in paths:
-        files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
-        for path in files:
+        for path in files_under(root):
             with open(path, "rb", buffering=0) as f:
                 while chunk := f.read(16 << 20):
                     total += len(chunk)

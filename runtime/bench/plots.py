@@ -48,6 +48,18 @@ def assign_lanes(stages: list[dict[str, Any]]) -> list[int]:
     return lanes
 
 
+def coldstart_title(context: dict[str, Any]) -> str:
+    """A coldstart figure's title, from its JSON's context (model, machine, page_cache)."""
+    machine = context["machine"]
+    return (f"cold start of {context['model']} on {', '.join(machine['gpus']) or 'CPU'} "
+            f"(page cache {context['page_cache']}, {machine['date_utc'][:10]})")
+
+
+def switch_title(context: dict[str, Any]) -> str:
+    """A switch figure's title, from its JSON's context (models, machine)."""
+    return f"{len(context['models'])} models in one instance on {', '.join(context['machine']['gpus']) or 'CPU'}"
+
+
 def plot_coldstart(results: list[ModeResult], path: Path, title: str) -> None:
     plt = _pyplot()
     colors = {name: plt.get_cmap("tab20")(i % 20) for i, name in enumerate(STAGE_ORDER)}

@@ -17,7 +17,7 @@ from runtime.bench.coldstart import ColdStartPlan, run_coldstart
 from runtime.bench.instance import Instance
 from runtime.bench.machine import describe_machine
 from runtime.bench.multi_trace import SystemPoint, run_per_model, run_pool, zipf_models
-from runtime.bench.plots import plot_switch
+from runtime.bench.plots import plot_switch, switch_title
 from runtime.bench.prompt import PromptMaker
 from runtime.bench.records import BASELINE_MODE, ModeResult
 from runtime.bench.report import provenance, write_json
@@ -60,7 +60,7 @@ async def run_switch_command(args: argparse.Namespace, settings: dict[str, str])
     (args.out / "switch.md").write_text(tables + "\n")
     plot_switch([dataclasses.asdict(p) for p in probes], {k: _fastest_s(v) for k, v in fresh.items()},
                 [dataclasses.asdict(p) for p in points if p.status == "ok"], args.out / "switch.png",
-                f"{len(models)} models in one instance on {', '.join(context['machine']['gpus']) or 'CPU'}")
+                switch_title(context))
     print(tables)
     print(f"\nwrote {args.out / 'switch-latency.json'}, {args.out / 'multi-model-trace.json'}, "
           f"{args.out / 'switch.md'}, {args.out / 'switch.png'}")

@@ -8,6 +8,16 @@ reader (runtime/weights/native_reader.c) opens libcuda from C for its copies."""
 from __future__ import annotations
 
 
+def bindings_installed() -> bool:
+    """Whether cuda-bindings can be imported here (looked up, not imported)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("cuda.bindings") is not None
+    except ModuleNotFoundError:  # no `cuda` package at all
+        return False
+
+
 class DriverError(RuntimeError):
     """A driver call failed; the message names the call and the driver's error."""
 

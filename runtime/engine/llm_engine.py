@@ -210,14 +210,15 @@ class Engine:
             kv_blocks = self._allocate_kv(runner, kv_blocks, releasable_memory)
         if graphs_first:
             self._prepare_graphs(runner, graph_restorer)
+        beside = materialized and graphs and not graphs_first  # no weight values needed: beside the stream
         if handed_over is not None:
             t.record(stages.WEIGHTS, *handed_over[:2], **handed_over[2])
-            if materialized and graphs and not graphs_first:
+            if beside:
                 self._prepare_graphs(runner, graph_restorer)
         else:
             with t.stage(stages.WEIGHTS, bytes=self.plan.total_bytes) as weights_stage:  # ended even if it fails
                 load = self._load_weights(self.plan, buffer)
-                if materialized and graphs and not graphs_first:  # no weight values needed: beside the stream
+                if beside:
                     self._prepare_graphs(runner, graph_restorer)
                 load.wait()
                 if device.type == "cpu" and self.config.cpu_packed_weights:
@@ -292,10 +293,11 @@ class Engine:
     def _restore_pending_graphs(self, restorer: GraphRestorer) -> None:
         use_device(self.runner.device)
         sizes = list(restorer.pending)
-        self._wait_for_first_request()
+        # the request that woke a scaled-to-zero function is usually waiting as the engine becomes ready
+        self._step_aside(until_served=True)
         with self.timeline.stage(stages.GRAPHS_AFTER_READY, graphs=len(sizes)) as stage:
             try:
-                fallbacks = restorer.restore_pending(self.runner, self._wait_until_idle)
+                fallbacks = restorer.restore_pending(self.runner, self._step_aside)
             except Exception as exc:  # the engine keeps serving on the graphs it has
                 log.exception("restoring the remaining CUDA graphs failed")
                 fallbacks = {bs: str(exc) for bs in sizes if bs not in self.runner.graphs}
@@ -310,19 +312,13 @@ class Engine:
         """What fills the weight buffer (a multi-model pool streams evicted parts back with it)."""
         return self._load_weights
 
-    def _wait_for_first_request(self) -> None:
-        """The request that woke a scaled-to-zero function is usually waiting as the engine becomes ready: the
-        graph work left for after ready lets it through first (GRAPHS_STEP_ASIDE_S at most)."""
+    def _step_aside(self, until_served: bool = False) -> None:
+        """Before a piece of the graph work left for after ready: wait, GRAPHS_STEP_ASIDE_S at most, while
+        requests run (UNTIL_SERVED: until one has been served). Its module loads and its hold on the GIL
+        otherwise slow the first requests after a restore; the bound keeps a steady load from starving it
+        of its larger graphs."""
         deadline = time.monotonic() + GRAPHS_STEP_ASIDE_S
-        while (self._steps == 0 or not self.idle) and time.monotonic() < deadline:
-            time.sleep(0.002)
-
-    def _wait_until_idle(self) -> None:
-        """Between pieces of the graph work left for after ready: wait, GRAPHS_STEP_ASIDE_S at most, while
-        requests run. Its module loads and its hold on the GIL otherwise slow the first requests after a
-        restore; the bound keeps a steady load from starving it of its larger graphs."""
-        deadline = time.monotonic() + GRAPHS_STEP_ASIDE_S
-        while not self.idle and time.monotonic() < deadline:
+        while (not self.idle or (until_served and self._steps == 0)) and time.monotonic() < deadline:
             time.sleep(0.002)
 
     @property
