@@ -5,9 +5,10 @@ placement gives it, and added to that device's ModelPool (runtime/pool); none is
 first model of the list is made resident on its first device, so the instance is ready with its weights
 in place, as a lone model's is; every other model is made resident by its first request (a switch).
 
-With SNAPSHOT_DIR, each model's materialised KV profile and CUDA graphs (faas-build bakes them into
-SNAPSHOT_DIR/name) go to the pool with its engine, which rebuilds the graphs at the model's first start
-instead of capturing them; the CRIU paths are not taken (their image holds one model's process).
+With SNAPSHOT_DIR, each model's materialised CUDA graphs (faas-build bakes them into SNAPSHOT_DIR/name,
+captured against the model's KV cache in a pool) go to the pool with its engine, which rebuilds them at the
+model's first start instead of capturing them; the CRIU paths are not taken (their image holds one model's
+process).
 
 Devices: on CUDA every GPU the process sees (CUDA_VISIBLE_DEVICES chooses them), each with its own pool and
 engines (cuda:0, cuda:1, ...; a lone GPU is plain `cuda`); the host on CPU. POOL_CPU_DEVICES=N makes N host
@@ -118,7 +119,7 @@ def _baked_graphs(settings: Settings, timeline: Timeline, unbaked: dict[str, str
     from snapshots.restore import materialized_state
 
     try:
-        return materialized_state(settings, timeline)[1]
+        return materialized_state(settings, timeline, pooled=True)[1]
     except SkipPath as why:
         unbaked[settings.served_model_name] = str(why)
     except Exception as exc:  # a damaged snapshot must not keep the model from starting cold

@@ -40,9 +40,10 @@ class BakeResult:
 
 
 def bake_snapshots(settings: Settings, model_dir: Path, kinds: Iterable[str] | None = None,
-                   usable: Iterable[str] | None = None) -> list[BakeResult]:
+                   usable: Iterable[str] | None = None, pooled: bool = False) -> list[BakeResult]:
     """Bake into settings.snapshot_dir. KINDS None means every kind this machine can bake; a kind not in
-    USABLE (a model of a several-model instance; None: every kind) cannot be baked."""
+    USABLE (a model of a several-model instance; None: every kind) cannot be baked. POOLED: the model is one
+    of a several-model instance (its materialised graphs are captured against its KV cache in a pool)."""
     wanted = list(KINDS if kinds is None else kinds)
     usable = KINDS if usable is None else tuple(usable)
     results = []
@@ -53,7 +54,8 @@ def bake_snapshots(settings: Settings, model_dir: Path, kinds: Iterable[str] | N
         try:
             if kind not in usable:
                 raise CannotBake("a several-model instance starts no CRIU snapshot: it holds one model's process")
-            detail = BAKERS[kind](settings, model_dir)
+            detail = (bake_materialized_state(settings, model_dir, pooled) if kind == "materialized"
+                      else BAKERS[kind](settings, model_dir))
             status = "baked"
         except CannotBake as why:
             status, detail = ("skipped" if kinds is None else "failed"), str(why)
@@ -66,7 +68,7 @@ def bake_snapshots(settings: Settings, model_dir: Path, kinds: Iterable[str] | N
     return results
 
 
-def bake_materialized_state(settings: Settings, model_dir: Path) -> str:
+def bake_materialized_state(settings: Settings, model_dir: Path, pooled: bool = False) -> str:
     if resolved_device(settings) != "cuda":
         raise CannotBake("needs a GPU (the KV profile and the decode graphs are the GPU's)")
     if settings.enforce_eager:
@@ -76,12 +78,13 @@ def bake_materialized_state(settings: Settings, model_dir: Path) -> str:
     from snapshots.materialized import bake_materialized
 
     report = bake_materialized(model_dir, engine_config(settings, "cuda"), settings.snapshot_dir,
-                               current_fingerprint(settings).as_dict())
+                               current_fingerprint(settings).as_dict(), pooled)
     if not report.validated:
         first = next(iter(report.problems.items()), (None, ["unknown"]))
         raise RuntimeError(f"{len(report.problems)} graphs failed validation, e.g. batch size {first[0]}: "
                            f"{first[1][0]}")
-    return f"{report.graphs} graphs validated bit for bit in a new process, {report.kv_blocks} KV blocks"
+    where = " (the KV cache's address range in a pool)" if pooled else ""
+    return f"{report.graphs} graphs validated bit for bit in a new process, {report.kv_blocks} KV blocks{where}"
 
 
 def bake_process(settings: Settings, model_dir: Path) -> str:

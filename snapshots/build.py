@@ -146,7 +146,8 @@ def build_snapshots(build: Build) -> None:
 def _bake(build: Build, settings, model_dir: Path, several: bool = False) -> None:
     from snapshots.bake import SEVERAL_MODELS_KINDS, bake_snapshots
 
-    results = bake_snapshots(settings, model_dir, build.snapshots, SEVERAL_MODELS_KINDS if several else None)
+    results = bake_snapshots(settings, model_dir, build.snapshots, SEVERAL_MODELS_KINDS if several else None,
+                             pooled=several)
     print("snapshots:", file=sys.stderr)
     for r in results:
         print(f"  {r.kind:<13} {r.status:<8} {r.seconds:7.1f} s  {r.detail}", file=sys.stderr)

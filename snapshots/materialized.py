@@ -56,27 +56,27 @@ class BakeReport:
 
 
 def bake_materialized(model_dir: Path, config: EngineConfig, snapshot_dir: Path,
-                      fingerprint: dict | None = None) -> BakeReport:
+                      fingerprint: dict | None = None, pooled: bool = False) -> BakeReport:
     """FINGERPRINT: `current_fingerprint(settings).as_dict()` of the function's settings; without it the
-    restore paths do not use the result."""
+    restore paths do not use the result. POOLED: for a model of a several-model instance, whose KV cache is
+    the pool's address range of `pooled_kv_blocks` blocks backed on demand (runtime/pool/kv.py): the engine is
+    started in a pool of its own, so that the graphs are captured against the buffers it will have there."""
     import time
 
-    from runtime.launch import build_engine
     from snapshots.cudagraph.materialize import capture_and_describe
     from snapshots.cudagraph.probe import probe_graphs
 
-    engine = build_engine(model_dir, config)
-    engine.start(capture_graphs=False)
-    runner = engine.runner
+    started = _started_engine(model_dir, config, pooled)
+    engine, runner = started.engine, started.engine.runner
     t0 = time.perf_counter()
     materialized = capture_and_describe(runner)
     capture_s = time.perf_counter() - t0
     if materialized.problems:
         blocks = runner.num_kv_blocks
         del runner
-        engine.shutdown()
+        started.shutdown()
         return BakeReport(blocks, 0, capture_s, False, materialized.problems)
-    expected = probe_graphs(runner)
+    expected = probe_graphs(runner, usable_blocks=started.usable_blocks)
     final = snapshot_dir / DIRNAME
     snapshot_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{DIRNAME}-", dir=snapshot_dir))
@@ -85,13 +85,14 @@ def bake_materialized(model_dir: Path, config: EngineConfig, snapshot_dir: Path,
         for ordinal, data in materialized.segment_contents.items():
             (tmp / f"segment-{ordinal}.bin").write_bytes(data)
         profile = engine.kv_profile or KVProfile(runner.num_kv_blocks, runner.kv_block_bytes, 0, 0, 0)
-        (tmp / "kvprofile.json").write_text(json.dumps(profile.as_dict(), indent=1))
+        (tmp / "kvprofile.json").write_text(json.dumps({**profile.as_dict(), "pooled": pooled}, indent=1))
         if fingerprint is not None:
             (tmp / FINGERPRINT).write_text(json.dumps(fingerprint, indent=1))
-        (tmp / "engine.json").write_text(json.dumps({"model_dir": str(model_dir), "config": asdict(config)}))
+        (tmp / "engine.json").write_text(json.dumps({"model_dir": str(model_dir), "config": asdict(config),
+                                                    "pooled": pooled}))
         write_digests(tmp)
         del runner  # the last reference besides the engine's: shutdown can then hand the memory back
-        engine.shutdown()
+        started.shutdown()
         restored = _validate_in_new_process(tmp)
         differ = sorted(bs for bs, digest in expected.items() if restored.get(str(bs)) != digest)
         if differ:
@@ -118,19 +119,64 @@ def load_kv_blocks(directory: Path) -> int:
     return json.loads((directory / "kvprofile.json").read_text())["num_blocks"]
 
 
+def baked_pooled(directory: Path) -> bool:
+    """Whether the state was baked for a model of a several-model instance (its KV cache the pool's)."""
+    return bool(json.loads((directory / "kvprofile.json").read_text()).get("pooled", False))
+
+
+@dataclass
+class _Started:
+    """An engine started for the bake or its check, alone or in a pool of its own."""
+
+    engine: object
+    pool: object | None
+    usable_blocks: int | None  # the KV blocks the graph probe may use (None: all of them)
+
+    def shutdown(self) -> None:
+        self.pool.shutdown() if self.pool is not None else self.engine.shutdown()
+
+
+def _started_engine(model_dir: Path, config: EngineConfig, pooled: bool, restorer=None,
+                    kv_blocks: int | None = None) -> _Started:
+    """Started without graphs (RESTORER None: the bake captures them) or with them restored."""
+    from runtime.launch import build_engine
+
+    engine = build_engine(model_dir, config)
+    if not pooled:
+        if restorer is None:
+            engine.start(capture_graphs=False)
+        else:
+            engine.start(kv_blocks=kv_blocks, graph_restorer=restorer)
+        return _Started(engine, None, None)
+    import torch
+
+    from runtime.pool.pool import ModelPool, device_budget
+    from snapshots.cudagraph.probe import blocks_needed
+
+    device = torch.device(config.device)
+    pool = ModelPool(device, device_budget(device, config.gpu_memory_utilization, None),
+                     capture_graphs=restorer is not None)
+    pool.add(engine.model_name, engine, restorer)
+    pool.activate(engine.model_name)
+    wanted = blocks_needed(engine.runner)
+    backed = pool.back_kv_blocks(engine.model_name, wanted)
+    return _Started(engine, pool, backed - engine.runner.reserved_blocks)
+
+
 def _probe(directory: Path) -> dict[int, str]:
     """Boot from a materialised directory and fingerprint every restored graph's output."""
-    from runtime.launch import build_engine
     from snapshots.cudagraph.probe import probe_graphs
     from snapshots.cudagraph.restore import MaterializedGraphs
 
     spec = json.loads((directory / "engine.json").read_text())
-    engine = build_engine(Path(spec["model_dir"]), EngineConfig(**{
-        **spec["config"], "cuda_graph_batch_sizes": tuple(spec["config"]["cuda_graph_batch_sizes"])}))
-    engine.start(kv_blocks=load_kv_blocks(directory), graph_restorer=MaterializedGraphs(directory))
+    config = EngineConfig(**{**spec["config"],
+                             "cuda_graph_batch_sizes": tuple(spec["config"]["cuda_graph_batch_sizes"])})
+    started = _started_engine(Path(spec["model_dir"]), config, bool(spec.get("pooled", False)),
+                              MaterializedGraphs(directory), load_kv_blocks(directory))
+    engine = started.engine
     if engine.graph_fallbacks:
         raise MaterializeError(f"graphs not restored: {engine.graph_fallbacks}")
-    return probe_graphs(engine.runner)
+    return probe_graphs(engine.runner, usable_blocks=started.usable_blocks)
 
 
 if __name__ == "__main__":

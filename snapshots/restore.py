@@ -168,27 +168,32 @@ def materialized_unfit(settings: Settings) -> str | None:
     return None
 
 
-def _materialized_dir(settings: Settings) -> Path:
-    from snapshots.materialized import DIRNAME, FINGERPRINT
+def _materialized_dir(settings: Settings, pooled: bool = False) -> Path:
+    from snapshots.materialized import DIRNAME, FINGERPRINT, baked_pooled
 
     if settings.snapshot_dir is None:
         raise SkipPath("SNAPSHOT_DIR is not set")
     directory = settings.snapshot_dir / DIRNAME
     if not (directory / FINGERPRINT).is_file():
         raise SkipPath(f"no materialized snapshot in {settings.snapshot_dir}")
+    if baked_pooled(directory) != pooled:  # its graphs point into a KV cache of another shape
+        raise SkipPath("baked for a model served alone, not for a several-model instance's pool (faas-build "
+                       "--model name=...,name=... bakes that)" if pooled else
+                       "baked for a several-model instance's pool, not for a model served alone")
     baked = Fingerprint.from_dict(json.loads((directory / FINGERPRINT).read_text()))
     check_fingerprint(baked, current_fingerprint(settings), "materialized")
     return directory
 
 
-def materialized_state(settings: Settings, timeline: Timeline,
-                       verification: Verification | None = None) -> tuple[int, "MaterializedGraphs"]:
+def materialized_state(settings: Settings, timeline: Timeline, verification: Verification | None = None,
+                       pooled: bool = False) -> tuple[int, "MaterializedGraphs"]:
     """(KV blocks, graph restorer) from `<SNAPSHOT_DIR>/materialized`, if it is there, fits and every file
-    matches its baked digest (VERIFICATION: that check, started earlier)."""
+    matches its baked digest (VERIFICATION: that check, started earlier). POOLED: for a model of a
+    several-model instance, whose graphs must have been baked against its KV cache in the pool."""
     from snapshots.cudagraph.restore import MaterializedGraphs
     from snapshots.materialized import load_kv_blocks
 
-    directory = _materialized_dir(settings)
+    directory = _materialized_dir(settings, pooled)
     verification = verification or _start_verify(directory)
     graphs = MaterializedGraphs(directory, settings.graphs_before_ready)
     graphs.read_ahead()  # beside the check; used only once it has passed

@@ -42,7 +42,8 @@ def test_switch_smoke_on_cpu(tmp_path):
     out = tmp_path / "out"
     done = faas_bench("switch", "--device", "cpu", "--shapes", "tiny:3", "--models-dir", str(tmp_path / "models"),
                       "--chunk-mb", "1", "--rates", "4", "--duration", "2", "--length-scale", "0.02", "--max-len",
-                      "128", "--idle-timeout", "2", "--timeout", "180", "--gpus", "2", "--out", str(out), timeout=900)
+                      "128", "--idle-timeout", "2", "--timeout", "180", "--gpus", "2", "--fresh-modes", "process,cold", "--out", str(out),
+                      timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     latency = json.loads((out / "switch-latency.json").read_text())
     assert [m["name"] for m in latency["models"]] == ["tiny-0", "tiny-1", "tiny-2"]
@@ -55,8 +56,11 @@ def test_switch_smoke_on_cpu(tmp_path):
         assert p["model"] == "tiny-0" and p["previous"] == "tiny-1" and p["ttft_s"] > 0
         assert (p["retained_fraction"] == 1.0) == (p["state"] == "retained")
         assert (p["bytes_loaded"] > 0) == (p["state"] != "retained")
-    fresh = latency["fresh"]
-    assert fresh["tiny-0:cold"]["status"] == "ok" and fresh["tiny-0:transformers"]["status"] == "ok"
+    evicted = probes[2]  # reached by the cost model, or else by whole-model eviction in a second instance
+    assert evicted["status"] == "ok" and evicted["retained_fraction"] == 0.0, evicted
+    assert evicted["bytes_loaded"] == latency["models"][0]["nbytes"] and evicted["eviction"] in ("cost", "lru")
+    fresh = latency["fresh"]  # B's fresh instance from the process snapshot faas-build baked for it, and cold
+    assert [fresh[f"tiny-0:{mode}"]["status"] for mode in ("process", "cold", "transformers")] == ["ok"] * 3
     trace = json.loads((out / "multi-model-trace.json").read_text())
     points = {p["system"]: p for p in trace["points"]}
     assert list(points) == ["pool", "lru", "pool-affinity", "pool-round-robin", "pool-fixed", "per-model"]

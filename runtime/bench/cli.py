@@ -182,7 +182,7 @@ def _switch_parser(sub, common: argparse.ArgumentParser) -> None:
     switch.add_argument("--prompt-tokens", type=_positive(int), default=161, help="switch probes' prompt (161)")
     switch.add_argument("--fresh-modes", type=_modes(SERVER_MODES), default=("cold",),
                         help="restore paths tried for the fresh instance of B, the fastest reported (cold; "
-                             "others need B's snapshots in --snapshot-dir)")
+                             "for the others faas-build bakes B's snapshots first, e.g. process,cold)")
     switch.add_argument("--rates", type=_rates, default=(1.0,), help="trace request rates (1)")
     switch.add_argument("--duration", type=_positive(float), default=120.0, help="seconds of arrivals per rate (120)")
     switch.add_argument("--zipf", type=float, default=1.0, help="Zipf exponent of model popularity (1.0)")

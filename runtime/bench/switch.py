@@ -6,8 +6,9 @@ while A is active (A served the last request), timed to B's first token, with B 
 - evicted: none of B left.
 
 A state is reached by serving other models (each one request) until B's share in the pool, read from
-/health, is in that state; a state the pool's eviction never produces (it may drop B whole) is reported
-as skipped with what happened. Each probe also times B's request with B already active (no switch), so
+/health, is in that state; a state the pool's eviction never produces (the cost model may keep a part of B
+that other models never need) is reported as skipped with what happened. The evicted state is then probed
+again in an instance with POOL_EVICTION=lru, which drops whole models (`eviction` says which policy got it). Each probe also times B's request with B already active (no switch), so
 the switch's own cost is the difference.
 """
 
@@ -33,6 +34,7 @@ class SwitchProbe:
     shape: str
     previous: str  # A, active when B's request arrived
     state: str  # the state asked for
+    eviction: str = "cost"  # the instance's POOL_EVICTION
     status: str = "ok"  # or "skipped"
     reason: str | None = None
     retained_fraction: float | None = None  # of B's weights in the pool when its request arrived

@@ -8,13 +8,14 @@ import argparse
 import dataclasses
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import httpx
 
 from runtime.bench import BenchError
 from runtime.bench.coldstart import ColdStartPlan, run_coldstart
-from runtime.bench.instance import Instance
+from runtime.bench.instance import SOURCE_ROOT, Instance, child_environment
 from runtime.bench.machine import describe_machine
 from runtime.bench.multi_trace import SystemPoint, run_per_model, run_pool, zipf_models
 from runtime.bench.plots import plot_switch, switch_title
@@ -99,29 +100,73 @@ def _gpu_memory_bytes() -> int | None:
 
 async def _switch_latency(args, base: dict[str, str], models: list[BenchModel], prompts: PromptMaker,
                           settings: dict[str, str], log_dir: Path) -> tuple[list[SwitchProbe], dict[str, ModeResult]]:
-    probes: list[SwitchProbe] = []
     prompt = prompts.prompt(min(args.prompt_tokens, args.max_len // 2))  # B's one token must fit the context
-    async with httpx.AsyncClient() as client:
-        instance = Instance.spawn("cold", base, log_dir / "switch-instance.log")
-        try:
-            await instance.wait_ready(client, args.timeout)
-            target = InstanceProbe(client, instance.url, prompt, args.timeout)
-            for b, a, others in probe_targets(models):
-                for state in STATES:
-                    log.info("switch: probing %s %s (A = %s)", b.name, state, a.name)
-                    probes.append(await probe(target, b, a, others, state))
-        finally:
-            await instance.stop()
+    targets = probe_targets(models)
+    probes = await _probe_states(args, {**base, "POOL_EVICTION": "cost"}, prompt, log_dir / "switch-instance.log",
+                                 [(b, a, others, state) for b, a, others in targets for state in STATES])
+    unreached = [i for i, p in enumerate(probes) if p.state == "evicted" and p.status != "ok"]
+    if unreached:  # whole-model eviction drops B entirely: the reload of all its bytes
+        again = await _probe_states(args, {**base, "POOL_EVICTION": "lru"}, prompt, log_dir / "switch-lru.log",
+                                    [(*targets[i // len(STATES)], "evicted") for i in unreached])
+        for i, retry in zip(unreached, again):
+            retry.eviction = "lru"
+            if retry.status == "ok":
+                probes[i] = retry
     fresh = {}
-    for b, _, _ in probe_targets(models):
-        log.info("switch: a fresh instance of %s and transformers", b.name)
-        plan = ColdStartPlan(model=str(b.layout_dir), modes=tuple(args.fresh_modes) + (BASELINE_MODE,), repeat=1,
-                             page_cache="warm", settings={**settings, "MODEL": str(b.layout_dir)},
-                             log_dir=log_dir / f"fresh-{b.name}", prompt_tokens=len(prompt), max_tokens=1,
-                             timeout_s=args.timeout, baseline_model=str(b.hf_dir))
+    for b, _, _ in targets:
+        log.info("switch: a fresh instance of %s (%s) and transformers", b.name, ", ".join(args.fresh_modes))
+        model, fresh_settings = str(b.layout_dir), {**settings, "MODEL": str(b.layout_dir)}
+        kinds = [m for m in args.fresh_modes if m != "cold"]
+        if kinds:
+            model, snapshot_dir = bake_fresh(b, kinds, settings, log_dir)
+            fresh_settings = {**settings, "MODEL": model, "SNAPSHOT_DIR": str(snapshot_dir)}
+        plan = ColdStartPlan(model=model, modes=tuple(args.fresh_modes) + (BASELINE_MODE,), repeat=1,
+                             page_cache="warm", settings=fresh_settings, log_dir=log_dir / f"fresh-{b.name}",
+                             prompt_tokens=len(prompt), max_tokens=1, timeout_s=args.timeout,
+                             baseline_model=str(b.hf_dir))
         for result in await run_coldstart(plan):
             fresh[f"{b.name}:{result.mode}"] = result
     return probes, fresh
+
+
+async def _probe_states(args, settings: dict[str, str], prompt, log_path: Path,
+                        wanted: list[tuple[BenchModel, BenchModel, list[BenchModel], str]]) -> list[SwitchProbe]:
+    """One instance with SETTINGS; each (B, A, others, state) probed in turn."""
+    probes = []
+    async with httpx.AsyncClient() as client:
+        instance = Instance.spawn("cold", settings, log_path)
+        try:
+            await instance.wait_ready(client, args.timeout)
+            target = InstanceProbe(client, instance.url, prompt, args.timeout)
+            for b, a, others, state in wanted:
+                log.info("switch: probing %s %s (A = %s, eviction %s)", b.name, state, a.name,
+                         settings["POOL_EVICTION"])
+                result = await probe(target, b, a, others, state)
+                result.eviction = settings["POOL_EVICTION"]
+                probes.append(result)
+        finally:
+            await instance.stop()
+    return probes
+
+
+def bake_fresh(model: BenchModel, kinds: list[str], settings: dict[str, str], log_dir: Path) -> tuple[str, Path]:
+    """faas-build of B from its Hugging Face directory, with the snapshots of KINDS, for its fresh instance on
+    those restore paths; returns (the layout, the snapshot directory). Baked afresh each run: a snapshot's
+    fingerprint covers this checkout's settings."""
+    base = model.hf_dir.with_name(f"{model.hf_dir.name}-fresh")
+    shutil.rmtree(base, ignore_errors=True)
+    layout, snapshots = base / "layout", base / "snapshots"
+    log_path = log_dir / f"bake-{model.name}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log.info("switch: faas-build %s with %s snapshots (log: %s)", model.name, ",".join(kinds), log_path)
+    with open(log_path, "wb") as out:
+        done = subprocess.run([sys.executable, "-m", "snapshots.build", "--model", str(model.hf_dir), "--out",
+                               str(layout), "--snapshot-dir", str(snapshots), "--snapshots", ",".join(kinds),
+                               "--time-restores", "0", "--quiet"], cwd=SOURCE_ROOT,
+                              env=child_environment(settings, 0.0), stdout=out, stderr=subprocess.STDOUT)
+    if done.returncode != 0:
+        raise BenchError(f"baking {model.name}'s snapshots failed (log: {log_path})")
+    return str(layout), snapshots
 
 
 def _fastest_s(result: ModeResult) -> float | None:
@@ -139,10 +184,11 @@ def probe_table(probes: list[SwitchProbe], fresh: dict[str, ModeResult]) -> str:
         best = min(fastest, key=lambda item: item[1]) if fastest else None
         hf = fresh.get(f"{p.model}:{BASELINE_MODE}")
         hf_s = _fastest_s(hf) if hf and hf.status == "ok" else None
+        state = p.state if p.eviction == "cost" else f"{p.state} ({p.eviction})"
         if p.status != "ok":
-            cells = [p.model, p.state, f"skipped: {p.reason}"] + [""] * (len(head) - 3)
+            cells = [p.model, state, f"skipped: {p.reason}"] + [""] * (len(head) - 3)
         else:
-            cells = [p.model, p.state, f"{p.retained_fraction:.0%}", f"{p.ttft_s:.3f}", f"{p.active_ttft_s:.3f}",
+            cells = [p.model, state, f"{p.retained_fraction:.0%}", f"{p.ttft_s:.3f}", f"{p.active_ttft_s:.3f}",
                      _num(p.switch_s), f"{p.bytes_loaded / 2**20:.1f}", _num(p.gib_per_s, 1),
                      f"{best[1]:.3f} ({best[0]})" if best else "-", _num(hf_s)]
         rows.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")

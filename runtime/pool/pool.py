@@ -75,18 +75,21 @@ class PoolStats:
 
 class ModelPool:
     def __init__(self, device: torch.device, budget_bytes: int, policy: str = "cost",
-                 proactive_kernels: bool = True) -> None:
+                 proactive_kernels: bool = True, capture_graphs: bool = True) -> None:
         """One per device. BUDGET_BYTES: what every model's weights, KV caches and engine buffers on the
         device may take together (device_budget() derives it from the settings). POLICY: cost (Tangram's
         cost model) or lru (whole models, least recently used first: the comparison). PROACTIVE_KERNELS: a
         model's first activation without a baked graph profile captures its CUDA graphs (loading their
-        kernels) while its weights stream; off: after, as a single model's cold start does."""
+        kernels) while its weights stream; off: after, as a single model's cold start does. CAPTURE_GRAPHS
+        False: a first activation without a graph profile makes no graphs (faas-build captures and
+        materialises them itself, snapshots/materialized.py)."""
         if policy not in POLICIES:
             raise PoolError(f"eviction policy {policy!r}: choose one of {', '.join(POLICIES)}")
         self.device = torch.device(device)
         self.budget_bytes = int(budget_bytes)
         self.policy = policy
         self.proactive_kernels = proactive_kernels
+        self.capture_graphs = capture_graphs
         self._models: dict[str, ModelMemory] = {}
         self._engines: dict = {}
         self._graph_restorers: dict = {}
@@ -140,6 +143,12 @@ class ModelPool:
             if m.held <= 0:
                 raise PoolError(f"model {name!r} released more often than held")
             m.held -= 1
+
+    def back_kv_blocks(self, name: str, blocks: int) -> int:
+        """Back at least the first BLOCKS of NAME's KV cache, as far as the pool has room; returns the blocks
+        backed (the bake's graph probe writes to blocks past the first chunk)."""
+        m = self._model(name)
+        return self.grant_kv(m, 0, blocks)
 
     def note_request(self, name: str, now: float | None = None) -> None:
         """A request for NAME arrived at NOW (time.time(); default: now). Its rate weighs the value of keeping
@@ -234,7 +243,8 @@ class ModelPool:
         if not beside:
             engine.config = dataclasses.replace(engine.config, num_kv_blocks=kv_blocks)
         try:
-            engine.start(kv_blocks=kv_blocks if beside else None, graph_restorer=restorer, memory=provider)
+            engine.start(kv_blocks=kv_blocks if beside else None, graph_restorer=restorer, memory=provider,
+                         capture_graphs=self.capture_graphs)
         except BaseException:
             with self._lock:
                 m.unmap_groups(list(range(len(m.groups))))

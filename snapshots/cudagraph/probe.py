@@ -13,11 +13,20 @@ CONTEXT = 40      # tokens already in each probed sequence's cache
 BLOCKS_PER_SEQ = 3
 
 
+def blocks_needed(runner: ModelRunner) -> int:
+    """The KV blocks (from the first) the probe uses when every one of them is backed."""
+    return runner.reserved_blocks + max(runner.graph_batch_sizes) * BLOCKS_PER_SEQ
+
+
 @torch.inference_mode()
-def probe_graphs(runner: ModelRunner, seed: int = 0) -> dict[int, str]:
-    """batch size -> sha256 of the logits its graph produces from the same KV contents and inputs."""
+def probe_graphs(runner: ModelRunner, seed: int = 0, usable_blocks: int | None = None) -> dict[int, str]:
+    """batch size -> sha256 of the logits its graph produces from the same KV contents and inputs.
+    USABLE_BLOCKS: how many blocks past the reserved ones are backed (a pooled KV cache backs them on
+    demand); None: all of them. The bake and its check must pass the same number."""
     bs_max = max(runner.graphs)
     usable = runner.num_kv_blocks - runner.reserved_blocks
+    if usable_blocks is not None:
+        usable = min(usable, usable_blocks)
     tables = [[runner.reserved_blocks + (i * BLOCKS_PER_SEQ + j) % usable for j in range(BLOCKS_PER_SEQ)]
               for i in range(bs_max)]
     _fill_kv(runner, sorted({b for row in tables for b in row}), seed)

@@ -3,9 +3,12 @@ through switches between them (the pool's VMM ranges, the engines' CUDA graphs).
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
-from tests.server.conftest import API_KEY, start_server
+from tests.server.conftest import API_KEY, REPO, server_env, start_server
 from tests.server.test_multi_model import PROMPTS, complete, http_get, model_list
 
 pytestmark = pytest.mark.gpu
@@ -35,3 +38,38 @@ def test_several_models_on_the_gpu_answer_as_each_alone(tmp_path, tiny_model):
         assert all(m["switches"] >= 2 for m in pool["models"].values())
     finally:
         assert srv.stop() == 0
+
+
+def test_baked_pooled_graphs_are_restored_at_each_models_first_start(tmp_path, tiny_model):
+    """faas-build bakes each model's decode graphs against its KV cache in a pool; the instance restores them
+    at each model's first start (no capture) and answers as each model alone; a model served alone refuses
+    that profile with the reason."""
+    dirs = {name: tiny_model(name) for name in TWO}
+    out, snapshots = tmp_path / "models", tmp_path / "snapshots"
+    build = subprocess.run([sys.executable, "-m", "snapshots.build", "--model", model_list(dirs), "--out", str(out),
+                            "--snapshot-dir", str(snapshots), "--snapshots", "materialized", "--quiet"],
+                           cwd=REPO, env=server_env(**ENGINE), capture_output=True, text=True, timeout=900)
+    assert build.returncode == 0, build.stderr
+    assert build.stderr.count("KV cache's address range in a pool") == len(TWO), build.stderr
+    served = ",".join(f"{name}={out / name}" for name in TWO)
+    alone = {}
+    for name in TWO:
+        srv = start_server(tmp_path, f"alone-{name}", MODEL=str(out / name), SERVED_MODEL_NAME=name,
+                           SNAPSHOT_DIR=str(snapshots / name), API_KEY=API_KEY, **ENGINE)
+        try:
+            srv.wait_ready(timeout=300)
+            health = http_get(srv, "/health")
+            assert "several-model instance's pool" in health["skipped"]["materialized"]
+            alone.update({(name, i): complete(srv, name, prompt) for i, prompt in enumerate(PROMPTS)})
+        finally:
+            srv.stop()
+    srv = start_server(tmp_path, "pooled-baked", MODEL=served, SNAPSHOT_DIR=str(snapshots), API_KEY=API_KEY,
+                       GPU_MEMORY_UTILIZATION="0.5", **ENGINE)
+    try:
+        srv.wait_ready(timeout=300)
+        jobs = [(name, i) for i in range(len(PROMPTS)) for name in TWO]
+        assert [complete(srv, name, PROMPTS[i]) for name, i in jobs] == [alone[job] for job in jobs]
+        assert http_get(srv, "/health")["restore_path"] == "materialized"
+    finally:
+        assert srv.stop() == 0
+    assert "captured live" not in srv.log(), srv.log()[-3000:]
