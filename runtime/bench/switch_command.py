@@ -150,23 +150,21 @@ async def _probe_states(args, settings: dict[str, str], prompt, log_path: Path,
 
 
 def bake_fresh(model: BenchModel, kinds: list[str], settings: dict[str, str], log_dir: Path) -> tuple[str, Path]:
-    """faas-build of B from its Hugging Face directory, with the snapshots of KINDS, for its fresh instance on
-    those restore paths; returns (the layout, the snapshot directory). Baked afresh each run: a snapshot's
-    fingerprint covers this checkout's settings."""
-    base = model.hf_dir.with_name(f"{model.hf_dir.name}-fresh")
-    shutil.rmtree(base, ignore_errors=True)
-    layout, snapshots = base / "layout", base / "snapshots"
+    """The snapshots of KINDS for B's layout, for its fresh instance on those restore paths (faas-build's bake,
+    runtime/bench/fresh_snapshots.py); returns (the layout, the snapshot directory). Baked afresh each run: a
+    snapshot's fingerprint covers this checkout and its settings."""
+    snapshots = model.layout_dir.with_name(f"{model.layout_dir.name}-snapshots")
+    shutil.rmtree(snapshots, ignore_errors=True)
     log_path = log_dir / f"bake-{model.name}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    log.info("switch: faas-build %s with %s snapshots (log: %s)", model.name, ",".join(kinds), log_path)
+    log.info("switch: baking %s's %s snapshots (log: %s)", model.name, ",".join(kinds), log_path)
     with open(log_path, "wb") as out:
-        done = subprocess.run([sys.executable, "-m", "snapshots.build", "--model", str(model.hf_dir), "--out",
-                               str(layout), "--snapshot-dir", str(snapshots), "--snapshots", ",".join(kinds),
-                               "--time-restores", "0", "--quiet"], cwd=SOURCE_ROOT,
+        done = subprocess.run([sys.executable, "-m", "runtime.bench.fresh_snapshots", str(model.layout_dir),
+                               str(snapshots), ",".join(kinds)], cwd=SOURCE_ROOT,
                               env=child_environment(settings, 0.0), stdout=out, stderr=subprocess.STDOUT)
     if done.returncode != 0:
         raise BenchError(f"baking {model.name}'s snapshots failed (log: {log_path})")
-    return str(layout), snapshots
+    return str(model.layout_dir), snapshots
 
 
 def _fastest_s(result: ModeResult) -> float | None:
