@@ -229,10 +229,6 @@ class Settings:
         "materialized restores: the largest decode batch size whose CUDA graph is rebuilt before the server is "
         "ready; larger ones are rebuilt in the background right after, and a batch that finds its graph not "
         "rebuilt yet runs on a larger one or eagerly (256: every graph before ready)")
-    prefill_warm_up: bool = _setting(
-        "PREFILL_WARM_UP", _bool, True,
-        "materialized restores: while the weights stream in, eager prefills of a few lengths (their values "
-        "unused) load the kernels a first prompt needs, so that the first request does not (0: it does)")
     gpu_snapshot_weights: str = _setting(
         "GPU_SNAPSHOT_WEIGHTS", _choice("stream", "image"), "stream",
         "faas-build gpu snapshots: stream (weights and KV cache left out of the image, weights streamed back "

@@ -195,7 +195,7 @@ def materialized_state(settings: Settings, timeline: Timeline, verification: Ver
 
     directory = _materialized_dir(settings, pooled)
     verification = verification or _start_verify(directory)
-    graphs = MaterializedGraphs(directory, settings.graphs_before_ready, settings.prefill_warm_up)
+    graphs = MaterializedGraphs(directory, settings.graphs_before_ready)
     graphs.read_ahead()  # beside the check; used only once it has passed
     try:
         verification.wait()

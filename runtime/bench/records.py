@@ -13,12 +13,10 @@ BASELINE_MODE = "transformers"
 ALL_MODES = SERVER_MODES + (BASELINE_MODE,)
 #: a restore path with one setting changed, to compare the two in one run (never run unless named):
 #: gpu-after and process-after stream the weights after the restore instead of during it; process-during
-#: streams them during it whether or not they are in the page cache; process-cold-prefill leaves the prefill's
-#: kernels for the first request to load (PREFILL_WARM_UP=0)
+#: streams them during it whether or not they are in the page cache
 VARIANTS = {"gpu-after": ("gpu", {"WEIGHTS_DURING_RESTORE": "0"}),
             "process-after": ("process", {"WEIGHTS_DURING_RESTORE": "0"}),
-            "process-during": ("process", {"WEIGHTS_DURING_RESTORE": "1"}),
-            "process-cold-prefill": ("process", {"PREFILL_WARM_UP": "0"})}
+            "process-during": ("process", {"WEIGHTS_DURING_RESTORE": "1"})}
 
 
 @dataclass

@@ -69,7 +69,6 @@ class GraphRestorer(Protocol):
     pending: list[int]
     pending_timings: dict[str, float]
     before_weights: bool  # restore before the weight copies start (else beside them)
-    warm_prefill: bool  # also load the prefill's kernels while the weights stream in (no profiling forward did)
 
     def read_ahead(self) -> None:
         """Start reading the description, on a thread: called before CUDA is initialised."""
@@ -221,8 +220,6 @@ class Engine:
                 load = self._load_weights(self.plan, buffer)
                 if beside:
                     self._prepare_graphs(runner, graph_restorer)
-                if graph_restorer is not None and graph_restorer.warm_prefill and device.type == "cuda":
-                    weights_stage.detail["prefill_warm_up_s"] = runner.warm_prefill()
                 load.wait()
                 if device.type == "cpu" and self.config.cpu_packed_weights:
                     weights_stage.detail.update(pack_linears(self.model))

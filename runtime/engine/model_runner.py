@@ -6,7 +6,6 @@ weights -> rope table -> static decode buffers -> KV cache -> graph pool (captur
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Protocol
 
@@ -26,8 +25,6 @@ from runtime.engine.sequence import PENDING, Sequence
 from runtime.engine.weight_plan import WeightPlan, tensor_views, torch_dtype
 
 PREFILL_BLOCK_Q = 16
-#: the prompt lengths `warm_prefill` runs: one per range of token counts over which cuBLAS keeps its kernels
-PREFILL_WARM_UP_TOKENS = (16, 256, 2048)
 #: a CUDA context with torch's kernels loaded (about 500 MiB on an H100), created before anything is measured
 CUDA_CONTEXT_BYTES = 512 << 20
 #: left free on the GPU beside the KV cache (fragmentation, other processes' growth)
@@ -244,21 +241,6 @@ class ModelRunner:
         ids = torch.zeros_like(d.input_ids[:batch_size])
         hidden = self.model(ids, torch.zeros_like(ids), meta, self.kv_caches, self.cos_sin, num_layers=num_layers)
         self.model.compute_logits(hidden, out=torch.empty_like(d.logits[:batch_size]))
-
-    @torch.inference_mode()
-    def warm_prefill(self, lengths: tuple[int, ...] = PREFILL_WARM_UP_TOKENS) -> float:
-        """Eager prefills of one sequence of each length, with the greedy sampler's ops: loads the kernel
-        modules a first prompt uses (cuBLAS picks its GEMM kernels by the number of tokens) before any
-        request needs them. Their values never matter: keys and values go to block 0 (reserved, or unused
-        before the engine serves), so this may run while the weights stream in. Returns its seconds."""
-        started = time.perf_counter()
-        limit = min(self.max_model_len, self.config.max_num_batched_tokens)
-        for n in sorted({min(n, limit) for n in lengths}):
-            blocks = -(-n // self.config.block_size)
-            logits = self._forward_eager([0] * n, list(range(n)), [0] * n, [n], [n], [[0] * blocks])
-            torch.argmax(torch.softmax(logits.float(), dim=-1), dim=-1).to("cpu", non_blocking=True)
-        torch.cuda.current_stream(self.device).synchronize()
-        return round(time.perf_counter() - started, 4)
 
     # -- execution ---------------------------------------------------------------------------------
 

@@ -61,13 +61,9 @@ class MaterializedGraphs:
     #: are mostly cuBLAS's, whose loads are CPU-bound, and they overlap the stream (docs/snapshots.md).
     BEFORE_WEIGHTS_UP_TO = 8
 
-    def __init__(self, directory: str | Path, before_ready_up_to: int | None = None,
-                 warm_prefill: bool = False) -> None:
-        """WARM_PREFILL: the engine also loads the prefill's kernels while the weights stream in
-        (PREFILL_WARM_UP; ModelRunner.warm_prefill)."""
+    def __init__(self, directory: str | Path, before_ready_up_to: int | None = None) -> None:
         self.directory = Path(directory)
         self.before_ready_up_to = before_ready_up_to
-        self.warm_prefill = warm_prefill
         self.before_weights = before_ready_up_to is not None and before_ready_up_to <= self.BEFORE_WEIGHTS_UP_TO
         self.segments: list[torch.Tensor] = []  # scratch memory the restored graphs point into; kept alive
         self.timings: dict[str, float] = {}

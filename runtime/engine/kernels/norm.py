@@ -22,9 +22,21 @@ def _normalise_row(x, w_ptr, out_row, cols, mask, size, eps, dtype: tl.constexpr
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, weight_ptr, out_ptr, stride_x0, stride_x1, stride_o0, stride_o1, size, eps,
-                     BLOCK: tl.constexpr):
-    # Rows are addressed by two indices so a [tokens, heads, head_dim] view (q/k norm) needs no copy.
+def _rms_norm_kernel(x_ptr, weight_ptr, out_ptr, stride_x, stride_o, size, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < size
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    _normalise_row(x, weight_ptr, out_ptr + row * stride_o, cols, mask, size, eps, x_ptr.dtype.element_ty)
+
+
+# A kernel of its own for the q/k norm (Qwen3), not the row kernel with a second index: the two run at
+# different BLOCKs in one model, and a materialised graph finds its kernels by name (snapshots/cudagraph), which
+# two specialisations of one Triton function share.
+@triton.jit
+def _head_rms_norm_kernel(x_ptr, weight_ptr, out_ptr, stride_x0, stride_x1, stride_o0, stride_o1, size, eps,
+                          BLOCK: tl.constexpr):
+    # Rows are addressed by two indices so a [tokens, heads, head_dim] view needs no copy.
     i, j = tl.program_id(0), tl.program_id(1)
     cols = tl.arange(0, BLOCK)
     mask = cols < size
@@ -55,7 +67,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
                                             BLOCK=block, num_warps=warps)
         return x, residual
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    x3, o3 = (x, out) if x.dim() == 3 else (x.unsqueeze(1), out.unsqueeze(1))
-    _rms_norm_kernel[(x3.shape[0], x3.shape[1])](x3, weight, o3, x3.stride(0), x3.stride(1), o3.stride(0),
-                                                 o3.stride(1), size, eps, BLOCK=block, num_warps=warps)
+    if x.dim() == 3:
+        _head_rms_norm_kernel[(x.shape[0], x.shape[1])](x, weight, out, x.stride(0), x.stride(1), out.stride(0),
+                                                        out.stride(1), size, eps, BLOCK=block, num_warps=warps)
+    else:
+        _rms_norm_kernel[(x.shape[0],)](x, weight, out, x.stride(0), out.stride(0), size, eps, BLOCK=block,
+                                        num_warps=warps)
     return out
