@@ -43,9 +43,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _config_error(exc, lambda_api)
     setup_logging(settings.log_level)
     several = len(settings.models) > 1
-    if settings.restore in ("auto", "gpu", "process") and not several:
+    if settings.restore in ("auto", "gpu", "process"):
         # A CRIU snapshot that fits is restored as a child, before listening: it listens and serves, and
-        # this process supervises it. Inside the restored process this returns None and main goes on.
+        # this process supervises it (with several models, the process snapshot of every model's engine).
+        # Inside the restored process this returns None and main goes on.
         from snapshots.restore import take_over
 
         status = take_over(settings, argv)

@@ -22,9 +22,10 @@ log = get_logger("snapshots.bake")
 
 #: bake order (not restore order: see the module docstring)
 KINDS = ("materialized", "process", "gpu")
-#: what a model of a several-model instance can use: its KV profile and graphs (the pool hands them to the
-#: model's first start); a CRIU image holds one process with one model, which a several-model instance is not
-SEVERAL_MODELS_KINDS = ("materialized",)
+#: a several-model instance: each model's own, in SNAPSHOT_DIR/name (its KV profile and graphs, which the pool
+#: hands to the model's first start), and the instance's, in SNAPSHOT_DIR (one process holding every engine)
+PER_MODEL_KINDS = ("materialized",)
+INSTANCE_KINDS = ("process", "gpu")
 
 
 class CannotBake(Exception):
@@ -39,21 +40,17 @@ class BakeResult:
     seconds: float
 
 
-def bake_snapshots(settings: Settings, model_dir: Path, kinds: Iterable[str] | None = None,
-                   usable: Iterable[str] | None = None, pooled: bool = False) -> list[BakeResult]:
-    """Bake into settings.snapshot_dir. KINDS None means every kind this machine can bake; a kind not in
-    USABLE (a model of a several-model instance; None: every kind) cannot be baked. POOLED: the model is one
-    of a several-model instance (its materialised graphs are captured against its KV cache in a pool)."""
-    wanted = list(KINDS if kinds is None else kinds)
-    usable = KINDS if usable is None else tuple(usable)
+def bake_snapshots(settings: Settings, model_dir: Path | None, kinds: Iterable[str] | None = None,
+                   scope: Iterable[str] = KINDS, pooled: bool = False) -> list[BakeResult]:
+    """Bake into settings.snapshot_dir the kinds of SCOPE (several models: PER_MODEL_KINDS for each model,
+    INSTANCE_KINDS for the instance, MODEL_DIR None) that KINDS names; KINDS None means every kind this
+    machine can bake. POOLED: the model is one of a several-model instance (its materialised graphs are
+    captured against its KV cache in a pool)."""
+    wanted = [kind for kind in KINDS if kind in scope and (kinds is None or kind in kinds)]
     results = []
-    for kind in KINDS:
-        if kind not in wanted:
-            continue
+    for kind in wanted:
         started = time.time()
         try:
-            if kind not in usable:
-                raise CannotBake("a several-model instance starts no CRIU snapshot: it holds one model's process")
             detail = (bake_materialized_state(settings, model_dir, pooled) if kind == "materialized"
                       else BAKERS[kind](settings, model_dir))
             status = "baked"
@@ -87,15 +84,20 @@ def bake_materialized_state(settings: Settings, model_dir: Path, pooled: bool = 
     return f"{report.graphs} graphs validated bit for bit in a new process, {report.kv_blocks} KV blocks{where}"
 
 
-def bake_process(settings: Settings, model_dir: Path) -> str:
+def bake_process(settings: Settings, model_dir: Path | None) -> str:
     from snapshots.process import bake_process_snapshot
 
     _require_criu()
     image = bake_process_snapshot(settings, model_dir, settings.snapshot_dir)
-    return f"CRIU image of {image.size_bytes / 2**20:.0f} MiB"
+    engines = f" of the engines of {image.fingerprint.placements}" if image.model_dirs else ""
+    return f"CRIU image of {image.size_bytes / 2**20:.0f} MiB{engines}"
 
 
-def bake_gpu(settings: Settings, model_dir: Path) -> str:
+def bake_gpu(settings: Settings, model_dir: Path | None) -> str:
+    if model_dir is None:
+        from snapshots.image import SEVERAL_MODELS_NO_GPU
+
+        raise CannotBake(SEVERAL_MODELS_NO_GPU)
     if resolved_device(settings) != "cuda":
         raise CannotBake("needs a GPU")
     from runtime.cuda_driver import bindings_installed
@@ -117,5 +119,5 @@ def _require_criu() -> None:
         raise CannotBake("; ".join(blockers))
 
 
-BAKERS: dict[str, Callable[[Settings, Path], str]] = {
+BAKERS: dict[str, Callable[[Settings, Path | None], str]] = {
     "materialized": bake_materialized_state, "process": bake_process, "gpu": bake_gpu}

@@ -25,7 +25,7 @@ from typing import Callable, Sequence
 from runtime.interrupts import sigterm_interrupts_main
 from runtime.logs import get_logger, setup_logging
 from runtime.weights.errors import WeightsError
-from snapshots.bake import KINDS as SNAPSHOT_KINDS
+from snapshots.bake import INSTANCE_KINDS, KINDS as SNAPSHOT_KINDS, PER_MODEL_KINDS
 
 log = get_logger("build")
 
@@ -68,6 +68,10 @@ def several_models(build: Build) -> list:
         return []
     if any(m.ref is None for m in models):
         raise BuildError("--model: the embedded model is baked into the image already; name a source for each")
+    taken = [m.name for m in models if m.name in INSTANCE_KINDS]
+    if taken and build.snapshot_dir is not None:
+        raise BuildError(f"--model: a model named {taken[0]!r} would share --snapshot-dir/{taken[0]} with the "
+                         "instance's snapshot of that kind: name it otherwise")
     return list(models)
 
 
@@ -115,7 +119,8 @@ def _build_each_layout(build: Build, models: list) -> None:
 
 def build_snapshots(build: Build) -> None:
     """The restore paths' snapshots (snapshots/bake.py), for a function that boots with MODEL=build.out (with
-    several models, each model's in --snapshot-dir/name, for MODEL=name=OUT/name,...)."""
+    several models, for MODEL=name=OUT/name,...: each model's materialized state in --snapshot-dir/name, and
+    the instance's process snapshot, every model's engine in one image, in --snapshot-dir)."""
     if build.snapshot_dir is None:
         return
     from runtime.config import ConfigError, ModelRef, Settings
@@ -130,29 +135,38 @@ def build_snapshots(build: Build) -> None:
         _bake(build, settings.replace(model=str(model_dir), snapshot_dir=build.snapshot_dir.resolve()), model_dir)
         return
     failed = []
-    for model in models:
-        model_dir = (Path(build.out) / model.name).resolve()
-        print(f"{model.name}:", file=sys.stderr)
-        per_model = settings.for_model(ModelRef(model.name, str(model_dir))).replace(
-            snapshot_dir=(build.snapshot_dir / model.name).resolve())
+    model_dirs = {model.name: (Path(build.out) / model.name).resolve() for model in models}
+    for name, model_dir in model_dirs.items():
+        per_model = settings.for_model(ModelRef(name, str(model_dir))).replace(
+            snapshot_dir=(build.snapshot_dir / name).resolve())
         try:
-            _bake(build, per_model, model_dir, several=True)
+            _bake(build, per_model, model_dir, f"{name}:", PER_MODEL_KINDS)
         except BakeFailed as exc:
-            failed.append(f"{model.name}: {exc}")
+            failed.append(f"{name}: {exc}")
+    instance = settings.replace(model=",".join(f"{name}={path}" for name, path in model_dirs.items()),
+                                snapshot_dir=build.snapshot_dir.resolve())
+    try:
+        _bake(build, instance, None, "the instance (every model's engine):", INSTANCE_KINDS)
+    except BakeFailed as exc:
+        failed.append(f"the instance: {exc}")
     if failed:
         raise BakeFailed("; ".join(failed))
 
 
-def _bake(build: Build, settings, model_dir: Path, several: bool = False) -> None:
-    from snapshots.bake import SEVERAL_MODELS_KINDS, bake_snapshots
+def _bake(build: Build, settings, model_dir: Path | None, heading: str | None = None,
+          scope: tuple[str, ...] = SNAPSHOT_KINDS) -> None:
+    from snapshots.bake import bake_snapshots
 
-    results = bake_snapshots(settings, model_dir, build.snapshots, SEVERAL_MODELS_KINDS if several else None,
-                             pooled=several)
+    results = bake_snapshots(settings, model_dir, build.snapshots, scope, pooled=scope == PER_MODEL_KINDS)
+    if not results:  # none of the kinds asked for is of this scope
+        return
+    if heading:
+        print(heading, file=sys.stderr)
     print("snapshots:", file=sys.stderr)
     for r in results:
         print(f"  {r.kind:<13} {r.status:<8} {r.seconds:7.1f} s  {r.detail}", file=sys.stderr)
     baked = [r.kind for r in results if r.status == "baked"]
-    if baked and build.time_restores and not several:
+    if baked and build.time_restores and scope == SNAPSHOT_KINDS:  # a lone model: several are not timed
         _time_restores(build, settings, model_dir, baked)
     failed = [r.kind for r in results if r.status == "failed"]
     if failed:

@@ -51,16 +51,19 @@ class Frozen:
     log_path: Path
 
 
-def freeze_runtime(kind: str, model_dir: Path, environ: dict[str, str], workdir: Path,
+def freeze_runtime(kind: str, model_dir: Path | None, environ: dict[str, str], workdir: Path,
                    pid_namespace: bool = True, timeout: float = 1800.0) -> Frozen:
-    """Start `snapshots.frozen` (as the init of a new pid namespace); return once it is parked."""
+    """Start `snapshots.frozen` (as the init of a new pid namespace); return once it is parked. MODEL_DIR
+    None: the several models MODEL (in ENVIRON) names."""
     snapshot_id = uuid.uuid4().hex[:16]
     log_path = workdir / f"bake-{kind}.log"
     read_end, write_end = os.pipe()
     env = dict(environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), env.get("PYTHONPATH")]))
     command = [sys.executable, "-m", "snapshots.frozen", "--kind", kind, "--snapshot-id", snapshot_id,
-               "--model-dir", str(model_dir), "--ready-fd", str(write_end)]
+               "--ready-fd", str(write_end)]
+    if model_dir is not None:
+        command += ["--model-dir", str(model_dir)]
     if pid_namespace:
         command = ["unshare", "--pid", "--fork", *command]
     with open(log_path, "wb") as log_file:

@@ -12,6 +12,7 @@ import dataclasses
 import hashlib
 import importlib.util
 import json
+import os
 import platform
 import re
 from dataclasses import dataclass
@@ -39,6 +40,9 @@ class Fingerprint:
     model_hash: str
     engine_config: str  # canonical JSON of ENGINE_SETTINGS, device resolved
     criu: str
+    #: several models: each model's devices ("a: cpu:0, cpu:1; b: cpu:0, cpu:1"), their engines being in the
+    #: image; "" for a lone model
+    placements: str = ""
 
     def as_dict(self) -> dict[str, str]:
         return dataclasses.asdict(self)
@@ -56,16 +60,50 @@ def mismatch(baked: Fingerprint, here: Fingerprint, ignore: Iterable[str] = ()) 
             continue
         was, now = getattr(baked, f.name), getattr(here, f.name)
         if was != now:
-            return f"fingerprint mismatch: {f.name} baked {_clip(was)!r}, here {_clip(now)!r}"
+            return _models_mismatch(was, now) if f.name == "model_hash" else (
+                f"fingerprint mismatch: {f.name} baked {_clip(was)!r}, here {_clip(now)!r}")
     return None
 
 
+def _models_mismatch(was: str, now: str) -> str:
+    """The model that differs, where both hashes are of several models (a JSON object: name -> hash)."""
+    baked, here = _model_hashes(was), _model_hashes(now)
+    if baked is None or here is None:
+        return f"fingerprint mismatch: model_hash baked {_clip(was)!r}, here {_clip(now)!r}"
+    if baked.keys() != here.keys():
+        return f"fingerprint mismatch: models baked {', '.join(baked)}, here {', '.join(here)}"
+    name = next(name for name in baked if baked[name] != here[name])
+    return f"fingerprint mismatch: model_hash of {name} baked {_clip(baked[name])!r}, here {_clip(here[name])!r}"
+
+
+def _model_hashes(text: str) -> dict[str, str] | None:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
 def current_fingerprint(settings: Settings, criu_version: str = "") -> Fingerprint:
+    """What SETTINGS would bake against here; with several models, every model's content by name and the
+    devices each one's engines are built for."""
     gpu_model, driver = gpu_identity()
+    models = settings.models
+    several = len(models) > 1
     return Fingerprint(
         gpu_model=gpu_model, driver=driver, cuda=torch_version("cuda"), torch=torch_version("__version__"),
-        python=platform.python_version(), thawllm=runtime.__version__, model_hash=model_hash(settings.model),
-        engine_config=engine_settings(settings), criu=criu_version)
+        python=platform.python_version(), thawllm=runtime.__version__,
+        model_hash=json.dumps({m.name: model_hash(m.ref) for m in models}, sort_keys=True) if several
+        else model_hash(settings.model), engine_config=engine_settings(settings), criu=criu_version,
+        placements=placements_text(settings) if several else "")
+
+
+def placements_text(settings: Settings) -> str:
+    """Each model's devices, as a several-model instance of SETTINGS would place them here."""
+    from runtime.multi_model import planned_placements
+
+    return "; ".join(f"{name}: {', '.join(devices)}"
+                     for name, devices in sorted(planned_placements(settings).items()))
 
 
 def gpu_identity() -> tuple[str, str]:
@@ -79,6 +117,18 @@ def gpu_identity() -> tuple[str, str]:
     driver = re.search(r"Kernel Module\s+(?:for \S+\s+)?([\d.]+)", version)
     model = re.search(r"^Model:\s*(.+)$", info, re.M)
     return (model.group(1).strip() if model else "unknown"), (driver.group(1) if driver else "unknown")
+
+
+def gpu_count() -> int:
+    """How many GPUs a CUDA process started now would see, without touching the driver (a process about to
+    be checkpointed must not): CUDA_VISIBLE_DEVICES' entries, else every GPU the driver lists."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip()])
+    try:
+        return len(list((NVIDIA_PROC / "gpus").iterdir()))
+    except OSError:
+        return 0
 
 
 def torch_version(field: str) -> str:

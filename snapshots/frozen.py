@@ -1,11 +1,12 @@
 """The process a snapshot is made of (`python -m snapshots.frozen`, started by the bake in a new pid
-namespace): it builds the engine (`process`: CPU phase only; `gpu`: started, ready to serve), parks its
+namespace): it builds the engine (`process`: CPU phase only; `gpu`: started, ready to serve; with several
+models, a process snapshot only: every model's engine, CPU phase only, on each of its devices), parks its
 stdin/stdout/stderr on /dev/null, tells the bake it is ready and blocks waiting for a handoff. The bake
 checkpoints it there.
 
 After a restore, it takes over the bootstrap's stdout/stderr and environment (snapshots/handoff.py) and runs
 the bootstrap again, in this process: settings, logging and the listening socket are all of the instance
-it was restored into; the restore paths find the engine in `snapshots.thawed.current`.
+it was restored into; the restore paths find the engine (or the models' engines) in `snapshots.thawed.current`.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ from snapshots import handoff, thawed
 log = get_logger("snapshots.frozen")
 
 
-def build(kind: str, model_dir: Path, settings: Settings):
-    """Everything a snapshot should already have done: the imports the server needs, the engine."""
+def build(kind: str, model_dir: Path | None, settings: Settings):
+    """Everything a snapshot should already have done: the imports the server needs, the engine (MODEL_DIR
+    None: the several models' engines, a BuiltModels)."""
     import handlers.health  # noqa: F401  the server's imports, so the restored process has them
     import handlers.openai  # noqa: F401
     import runtime.server.serve  # noqa: F401
@@ -35,6 +37,10 @@ def build(kind: str, model_dir: Path, settings: Settings):
     from runtime.server.app import load_async_backend
 
     load_async_backend()
+    if model_dir is None:
+        built = build_models(settings)
+        trim_host_heap()
+        return built
     # the served name is the bootstrap's to give (after restore, from SERVED_NAME/MODEL as they are then)
     engine = build_engine(model_dir, engine_config(settings, settings.device))  # DEVICE resolved by the bake
     if kind == "gpu":
@@ -53,6 +59,20 @@ def build(kind: str, model_dir: Path, settings: Settings):
         release_local_memory()
     trim_host_heap()
     return engine
+
+
+def build_models(settings: Settings):
+    """Several models: each model's engine on every device its placement gives it, as runtime/multi_model.py
+    would build them at boot, named as they are served (the names are in the fingerprint)."""
+    import runtime.pool.pool  # noqa: F401  the pools are made after the restore, their imports before it
+    from runtime.launch import build_engine, engine_config
+    from runtime.multi_model import build_models as build_each, planned_placements
+
+    def build_one(per_model: Settings, device: str):
+        return build_engine(Path(per_model.model), engine_config(per_model, device), None,
+                            per_model.served_model_name, per_model)
+
+    return build_each(settings, planned_placements(settings), build_one)
 
 
 def trim_host_heap() -> None:
@@ -172,13 +192,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(prog="snapshots.frozen")
     parser.add_argument("--kind", choices=("process", "gpu"), required=True)
     parser.add_argument("--snapshot-id", required=True)
-    parser.add_argument("--model-dir", type=Path, required=True)
+    parser.add_argument("--model-dir", type=Path, help="the model (unset: the several models MODEL names)")
     parser.add_argument("--ready-fd", type=int, required=True)
     args = parser.parse_args()
     os.setsid()  # CRIU dumps whole sessions: this process leads its own
     settings = Settings.from_env()
     setup_logging(settings.log_level)
-    engine = build(args.kind, args.model_dir, settings)
+    built = build(args.kind, args.model_dir, settings)
+    engine, models = (built, None) if args.model_dir is not None else (None, built)
     listener = handoff.listen(args.snapshot_id)
     log.info("%s snapshot: engine built, waiting to be checkpointed", args.kind)
     park_stdio()
@@ -191,14 +212,15 @@ def main() -> int:
         received.restore_detail["stack_s"] = round(time.time() - stack_started, 4)
     taken_over_at = time.time()
     os.environ["THAWLLM_SPAWN_TIME"] = repr(received.spawn_time)
-    if received.verify and engine.runner is not None:
+    if received.verify and engine is not None and engine.runner is not None:
         engine.runner.allocator.remap()  # the bake checks that released ranges map again (no-op if none)
     weights = handover = None
     if args.kind == "process" and not received.verify:
-        handover = start_device_phase(engine, channel)
+        # several models: the first model's engine is the one the start makes resident; no weights channel
+        handover = start_device_phase(engine or models.first(), channel)
     elif not received.verify:
         weights = reload_released_weights(engine, channel)
-    thawed.current = thawed.Thawed(args.kind, engine, received, taken_over_at, weights, handover)
+    thawed.current = thawed.Thawed(args.kind, engine, received, taken_over_at, weights, handover, models)
     # As the init of its pid namespace this process ignores signals it has no handler for: until the server
     # installs its own (drain on SIGTERM), a SIGTERM forwarded by the bootstrap ends it.
     signal.signal(signal.SIGTERM, lambda signum, frame: os._exit(128 + signum))

@@ -14,6 +14,10 @@ from snapshots.integrity import Verification
 
 MANIFEST = "manifest.json"
 IMAGES = "images"
+#: why a several-model instance has no gpu snapshot (its process snapshot holds the engines before CUDA)
+SEVERAL_MODELS_NO_GPU = ("a several-model instance has no gpu snapshot: its image would hold started pools, whose "
+                         "VMM ranges give their backing back while idle, which the CUDA checkpoint path does not "
+                         "handle")
 
 
 class ImageError(RuntimeError):
@@ -25,7 +29,7 @@ class SnapshotImage:
     kind: str  # "process" or "gpu"
     snapshot_id: str  # names the handoff socket the frozen process listens on
     fingerprint: Fingerprint
-    model_dir: str  # the model the frozen engine was built from
+    model_dir: str  # the model the frozen engine was built from ("" for several models: model_dirs)
     files: dict[str, int]  # image file -> size in bytes
     baked_at: float
     dump_s: float
@@ -35,6 +39,11 @@ class SnapshotImage:
     weights_left_out: bool = False  # gpu: the weights' memory was released before the checkpoint
     hash: str = ""  # of the image files' digests
     digests: dict[str, str] = field(default_factory=dict)  # image file -> digest, taken after the dump
+    model_dirs: dict[str, str] = field(default_factory=dict)  # several models: name -> where it was built from
+
+    def sources(self) -> list[str]:
+        """The model directories the frozen engines were built from (their weights load from there)."""
+        return list(self.model_dirs.values()) or [self.model_dir]
 
     def engine_device(self) -> str:
         """The device the frozen engine was built for ("cpu", "cuda", ...), from the fingerprint."""

@@ -1,5 +1,6 @@
 """Process snapshots: a CRIU image of the runtime after imports, settings, tokenizer and engine
-construction on the meta device, before CUDA is initialised (docs/architecture.md, "Snapshots").
+construction on the meta device, before CUDA is initialised (docs/architecture.md, "Snapshots"); with several
+models (a MODEL list), of every model's engine on each device its placement gives it.
 
 `bake_process_snapshot` (faas-build) freezes such a runtime, dumps it into `<snapshot dir>/process/`,
 restores it once to check the image works, and only then renames the directory into place. `thaw` is the
@@ -46,10 +47,11 @@ class CriuHooks:
     criu_options: list[str] = field(default_factory=list)
 
 
-def bake_process_snapshot(settings: Settings, model_dir: Path, snapshot_dir: Path,
+def bake_process_snapshot(settings: Settings, model_dir: Path | None, snapshot_dir: Path,
                           pid_namespace: bool | None = None) -> SnapshotImage:
     """Bake `<snapshot_dir>/process/`. SETTINGS are the function's as it will boot (MODEL as at boot: the
-    fingerprint hashes it); MODEL_DIR is the local model directory or layout the engine is built from.
+    fingerprint hashes it); MODEL_DIR is the local model directory or layout the engine is built from (None
+    for several models: each model's reference in MODEL is its local directory).
     PID_NAMESPACE True freezes the runtime as the init of its own pid namespace (no pid clash at restore;
     needs CAP_SYS_ADMIN); False restores with the baked pids (a restore whose pids are taken fails and falls
     back); None (default): True on CPU, False where the runtime will use the GPU (see bake_snapshot)."""
@@ -64,15 +66,20 @@ CACHED_ENOUGH = 0.95
 def process_hooks(weights_during_restore: str) -> CriuHooks:
     """At boot, a process snapshot of a CUDA engine gets its weights from a helper that streams them while
     CRIU restores (WEIGHTS_DURING_RESTORE; snapshots/weights_during_restore.py): with `auto`, when they are not
-    in the page cache. On the H100 machine, from cold disk, the helper read them at the disk's full rate from 0.7 s after
-    spawn, while the restored runtime's own CUDA context took 1.2-3.3 s to make (its libraries read from disk
-    too); from the page cache, the restored runtime loaded them itself 0.3 s sooner: the helper's CUDA
-    context takes as long to make as the runtime's, and the copy from the page cache is not what waits."""
+    in the page cache. On the H100 machine, from cold disk, the helper read them at the disk's full rate from
+    0.7 s after spawn, while the restored runtime's own CUDA context took 1.2-3.3 s to make (its libraries read
+    from disk too); from the page cache, the restored runtime loaded them itself 0.3 s sooner: the helper's CUDA
+    context takes as long to make as the runtime's, and the copy from the page cache is not what waits.
+    Several models: no helper (their weights go into pool memory, mapped only once the pool exists)."""
     if weights_during_restore == "never":
         return CriuHooks()
 
     def start_weights_helper(image: SnapshotImage, boot: bool) -> "RestoreHelper | None":
         if not boot or image.engine_device().split(":")[0] != "cuda":
+            return None
+        if image.model_dirs:
+            log.info("process snapshot of %d models: no helper streams weights during the restore (each model's "
+                     "weights stream into its pool when it is made resident)", len(image.model_dirs))
             return None
         from runtime.weights.residency import cached_fraction, files_in
 
@@ -94,7 +101,7 @@ def process_hooks(weights_during_restore: str) -> CriuHooks:
     return CriuHooks(start_restore_helper=start_weights_helper)
 
 
-def bake_snapshot(kind: str, settings: Settings, model_dir: Path, snapshot_dir: Path, hooks: CriuHooks,
+def bake_snapshot(kind: str, settings: Settings, model_dir: Path | None, snapshot_dir: Path, hooks: CriuHooks,
                   pid_namespace: bool | None = None, weights_left_out: bool = False) -> SnapshotImage:
     device = resolved_device(settings)
     if pid_namespace is None:
@@ -110,7 +117,8 @@ def bake_snapshot(kind: str, settings: Settings, model_dir: Path, snapshot_dir: 
     os.chmod(tmp, 0o755)
     try:
         started = time.time()
-        log.info("%s snapshot: starting the runtime to freeze (%s)", kind, model_dir)
+        several = {m.name: str(m.ref) for m in settings.models} if model_dir is None else {}
+        log.info("%s snapshot: starting the runtime to freeze (%s)", kind, model_dir or settings.model)
         # DEVICE decided here: the frozen runtime must not probe the GPU to resolve auto (process snapshots
         # are taken before CUDA is initialised)
         environ = checkpoint.settings_environ(settings) | {"DEVICE": device}
@@ -124,7 +132,8 @@ def bake_snapshot(kind: str, settings: Settings, model_dir: Path, snapshot_dir: 
         digested = time.time()
         digests = digest_files(tmp / IMAGES, sorted(files))
         image = SnapshotImage(kind=kind, snapshot_id=frozen.snapshot_id,
-                              fingerprint=current_fingerprint(settings, criu.version), model_dir=str(model_dir),
+                              fingerprint=current_fingerprint(settings, criu.version),
+                              model_dir=str(model_dir or ""), model_dirs=several,
                               files=files, baked_at=time.time(), dump_s=round(dump_s, 3),
                               verify_restore_s=0.0, timings={"build_s": round(build_s, 3),
                                                              "digest_s": round(time.time() - digested, 3)},

@@ -29,11 +29,12 @@ from runtime.timeline import Timeline
 from snapshots import thawed
 from snapshots.criu import Criu, find_criu, restore_blockers
 from snapshots.fingerprint import Fingerprint, current_fingerprint, mismatch
-from snapshots.image import ImageError, SnapshotImage
+from snapshots.image import SEVERAL_MODELS_NO_GPU, ImageError, SnapshotImage
 from snapshots.integrity import DigestMismatch, Verification
 
 if TYPE_CHECKING:
     from runtime.engine import Engine
+    from runtime.multi_model import BuiltModels
     from snapshots.cudagraph.restore import MaterializedGraphs
     from snapshots.process import CriuHooks
 
@@ -54,7 +55,11 @@ def take_over(settings: Settings, argv: list[str]) -> int | None:
     if thawed.current is not None:
         return None  # this is the restored process: the engine is in thawed.current
     _skipped.clear()
-    order = read_restore_order(settings.snapshot_dir).paths if settings.restore == "auto" else CRIU_PATHS
+    # several models: each model's materialized state is in SNAPSHOT_DIR/name, used beside a process restore
+    # or without one (runtime/multi_model.py); no order is measured for them
+    several = len(settings.models) > 1
+    order = read_restore_order(settings.snapshot_dir).paths if settings.restore == "auto" and not several \
+        else CRIU_PATHS
     for position, kind in enumerate(order):
         if kind == "materialized":
             why_not = materialized_unfit(settings)
@@ -101,6 +106,8 @@ def _usable(kind: str, settings: Settings) -> tuple[Criu, SnapshotImage, "CriuHo
     """(criu, image, hooks) for a CRIU snapshot that can be restored here, else SkipPath(why not)."""
     if settings.restore not in ("auto", kind):
         raise SkipPath(f"RESTORE={settings.restore}")
+    if kind == "gpu" and len(settings.models) > 1:
+        raise SkipPath(SEVERAL_MODELS_NO_GPU)
     if settings.snapshot_dir is None:
         raise SkipPath("SNAPSHOT_DIR is not set")
     directory = settings.snapshot_dir / kind
@@ -109,8 +116,9 @@ def _usable(kind: str, settings: Settings) -> tuple[Criu, SnapshotImage, "CriuHo
         image.check_files(directory)
     except ImageError as why:
         raise SkipPath(str(why)) from None
-    if not Path(image.model_dir).exists():  # the restored engine loads its weights from there
-        raise SkipPath(f"the model it was baked from, {image.model_dir}, is not here")
+    for model_dir in image.sources():  # the restored engines load their weights from there
+        if not Path(model_dir).exists():
+            raise SkipPath(f"the model it was baked from, {model_dir}, is not here")
     criu = find_criu()
     blockers = restore_blockers(criu, image.pid_namespace)
     if blockers:
@@ -232,18 +240,48 @@ def check_fingerprint(baked: Fingerprint, here: Fingerprint, kind: str) -> None:
 
 
 def _restored_engine(kind: str, timeline: Timeline) -> "Engine":
+    current = _restored(kind, timeline)
+    if current.engine is None:  # the fingerprint keeps a several-model image from a lone model's boot
+        raise SkipPath(f"the {kind} snapshot holds several models")
+    current.engine.timeline = timeline
+    return current.engine
+
+
+def restored_models(timeline: Timeline, skipped: dict[str, str]) -> "BuiltModels":
+    """Several models: the engines the restored process snapshot holds (this process was restored from it),
+    else SkipPath(why not). SKIPPED gets why the gpu path was not taken."""
+    skipped["gpu"] = _why_not("gpu") or "a several-model instance restores no gpu snapshot"
+    current = _restored("process", timeline)
+    if current.models is None:
+        raise SkipPath("the process snapshot holds one model")
+    for engines in current.models.engines.values():
+        for engine in engines.values():
+            engine.timeline = timeline
+    return current.models
+
+
+def _why_not(kind: str) -> str | None:
+    """Why this process does not hold a restored KIND snapshot; None when it does."""
     current = thawed.current
     if current is None:
-        raise SkipPath(_skipped.get(kind, "SNAPSHOT_DIR is not set"))
+        return _skipped.get(kind, "SNAPSHOT_DIR is not set")
     if current.kind != kind:
-        raise SkipPath(current.handoff.skipped.get(kind, f"the {current.kind} snapshot was restored"))
+        return current.handoff.skipped.get(kind, f"the {current.kind} snapshot was restored")
+    return None
+
+
+def _restored(kind: str, timeline: Timeline) -> thawed.Thawed:
+    """What the restored KIND snapshot holds, its restore and check recorded on TIMELINE; else SkipPath."""
+    why = _why_not(kind)
+    if why is not None:
+        raise SkipPath(why)
+    current = thawed.current
     timeline.record(stages.RESTORE, current.handoff.restore_started, current.taken_over_at, snapshot=kind,
                     **current.handoff.restore_detail)
     if current.handoff.verify_span:  # the image files' check, beside the restore and before the hand-over
         started, ended, nbytes = current.handoff.verify_span
         timeline.record(stages.SNAPSHOT_VERIFY, started, ended, snapshot=kind, bytes=int(nbytes))
-    current.engine.timeline = timeline
-    return current.engine
+    return current
 
 
 def _hooks(kind: str, settings: Settings) -> "CriuHooks":

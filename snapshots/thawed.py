@@ -10,17 +10,19 @@ from snapshots.handoff import Handoff
 
 if TYPE_CHECKING:
     from runtime.engine import Engine
+    from runtime.multi_model import BuiltModels
     from runtime.engine.llm_engine import WeightHandover
 
 
 @dataclass
 class Thawed:
     kind: str  # "process": built, not started; "gpu": started, with its device state restored
-    engine: "Engine"
+    engine: "Engine | None"  # None for several models (below)
     handoff: Handoff
     taken_over_at: float
     weights: "WeightReload | None" = None  # gpu, weights left out of the image: coming back since the restore
     handover: "WeightHandover | None" = None  # process: the weights the helper streamed during the restore
+    models: "BuiltModels | None" = None  # process, several models: every model's engines, built, not started
 
 
 class WeightReload(Protocol):

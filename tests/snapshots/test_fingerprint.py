@@ -67,3 +67,29 @@ def test_the_installed_criu_version_is_read_from_its_record_unless_the_binary_is
     record.write_text("criu: not found\n")
     assert recorded_version(record, binary) is None
     assert recorded_version(tmp_path / "missing", binary) is None
+
+
+def test_several_models_fingerprint_every_model_by_name_and_their_devices(tiny_model, tmp_path):
+    llama, qwen = tiny_model("tiny-llama"), tiny_model("tiny-qwen2")
+
+    def fingerprint(model: str, **env: str):
+        return current_fingerprint(Settings.from_env({"MODEL": model, "DEVICE": "cpu", **env}), "4.1.1")
+
+    baked = fingerprint(f"a={llama},b={qwen}", POOL_CPU_DEVICES="2")
+    assert baked.placements == "a: cpu:0, cpu:1; b: cpu:0, cpu:1"
+    assert mismatch(baked, fingerprint(f"b={qwen},a={llama}", POOL_CPU_DEVICES="2")) is None  # the order: no
+    assert mismatch(baked, fingerprint(f"a={llama},b={qwen}", POOL_CPU_DEVICES="2", POOL_MEMORY_GB="3")) is None
+    copy = tmp_path / "qwen"
+    shutil.copytree(qwen, copy)
+    with open(next(copy.glob("*.safetensors")), "ab") as f:
+        f.write(b"\0" * 8)
+    assert mismatch(baked, fingerprint(f"a={llama},b={copy}", POOL_CPU_DEVICES="2")).startswith(
+        f"fingerprint mismatch: model_hash of b baked {model_hash(qwen)!r}, here 'sha256:")
+    assert mismatch(baked, fingerprint(f"a={llama},c={qwen}", POOL_CPU_DEVICES="2")) == (
+        "fingerprint mismatch: models baked a, b, here a, c")
+    assert mismatch(baked, fingerprint(f"a={llama},b={qwen}")) == (
+        "fingerprint mismatch: placements baked 'a: cpu:0, cpu:1; b: cpu:0, cpu:1', here 'a: cpu; b: cpu'")
+    fixed = fingerprint(f"a={llama},b={qwen}", POOL_CPU_DEVICES="2", PLACEMENT="fixed")
+    assert fixed.placements == "a: cpu:0; b: cpu:1"
+    assert mismatch(baked, fingerprint(f"a={llama},b={qwen}", POOL_CPU_DEVICES="2", PLACEMENT="round-robin")) is None
+    assert fingerprint(llama).placements == "" and fingerprint(llama).model_hash == model_hash(llama)
