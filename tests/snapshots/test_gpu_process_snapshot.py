@@ -63,3 +63,38 @@ def test_process_snapshot_serves_like_a_cold_start(tiny_model_dir, tmp_path):
         assert weights.get("during_restore", False) == (name == "helper"), weights
     assert len(served["cold"][0]) == 24
     assert served["auto"] == served["cold"] and served["helper"] == served["cold"]
+
+
+def test_several_models_process_snapshot_serves_like_a_fresh_start(tiny_model, tmp_path):
+    """One image of both models' engines: restored, the first model's CUDA context is made as it resumes, no
+    helper streams weights, and each model serves the tokens a fresh several-model start serves."""
+    from tests.server.test_multi_model import faas_build
+
+    sources = {"a": tiny_model("tiny-llama"), "b": tiny_model("tiny-qwen2")}
+    env = GPU_ENV | {"MAX_MODEL_LEN": "256", "MAX_NUM_SEQS": "4"}  # the tiny models' context
+    out, snapshots = tmp_path / "models", tmp_path / "snapshots"
+    r = faas_build("--model", ",".join(f"{n}={p}" for n, p in sources.items()), "--out", str(out),
+                   "--snapshot-dir", str(snapshots), "--snapshots", "materialized,process", "--quiet", **env)
+    assert r.returncode == 0, r.stderr
+    served, states = {}, {}
+    for name, restore in (("fresh", "cold"), ("restored", "process")):
+        server = start_server(tmp_path, name, MODEL=",".join(f"{n}={out / n}" for n in sources), API_KEY=API_KEY,
+                              SNAPSHOT_DIR=str(snapshots), RESTORE=restore, **env)
+        try:
+            server.wait_ready(timeout=300)
+            states[name] = httpx.get(f"{server.url}/health", timeout=5).json()
+            client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+            served[name] = [client.completions.create(model=model, prompt="The process snapshot restores",
+                                                      max_tokens=24, temperature=0.0, logprobs=1,
+                                                      extra_body={"ignore_eos": True}).choices[0].logprobs.tokens
+                            for model in ("a", "b", "a")]
+        finally:
+            assert server.stop() == 0
+        if name == "restored":
+            assert "no helper streams weights during the restore" in server.log()
+    state = states["restored"]
+    assert state["restore_path"] == "process", state["skipped"]
+    assert "has no gpu snapshot" in state["skipped"]["gpu"]
+    assert stage(state, "cuda_init")["detail"].get("ahead"), state["stages"]
+    assert all(len(tokens) == 24 for tokens in served["fresh"])
+    assert served["restored"] == served["fresh"]
