@@ -38,7 +38,7 @@ def build(kind: str, model_dir: Path | None, settings: Settings):
 
     load_async_backend()
     if model_dir is None:
-        built = build_models(settings)
+        built = build_several(settings)
         trim_host_heap()
         return built
     # the served name is the bootstrap's to give (after restore, from SERVED_NAME/MODEL as they are then)
@@ -61,18 +61,18 @@ def build(kind: str, model_dir: Path | None, settings: Settings):
     return engine
 
 
-def build_models(settings: Settings):
+def build_several(settings: Settings):
     """Several models: each model's engine on every device its placement gives it, as runtime/multi_model.py
     would build them at boot, named as they are served (the names are in the fingerprint)."""
     import runtime.pool.pool  # noqa: F401  the pools are made after the restore, their imports before it
     from runtime.launch import build_engine, engine_config
-    from runtime.multi_model import build_models as build_each, planned_placements
+    from runtime.multi_model import build_models, planned_placements
 
     def build_one(per_model: Settings, device: str):
         return build_engine(Path(per_model.model), engine_config(per_model, device), None,
                             per_model.served_model_name, per_model)
 
-    return build_each(settings, planned_placements(settings), build_one)
+    return build_models(settings, planned_placements(settings), build_one)
 
 
 def trim_host_heap() -> None:
