@@ -253,3 +253,10 @@ def test_faas_build_refuses_a_malformed_list_and_leaves_nothing(tmp_path, model_
     assert "model name 'a' must appear once" in r.stderr and not out.exists()
     r = faas_build("--model", f"a={model_dirs['tiny-llama']},b=/no/such/model", "--out", str(out), "--quiet")
     assert r.returncode == 2 and not out.exists() and not list(tmp_path.iterdir())
+    # the instance's process snapshot goes to --snapshot-dir/process: no model may be baked there
+    r = faas_build("--model", f"process={model_dirs['tiny-llama']},b={model_dirs['tiny-qwen2']}", "--out", str(out),
+                   "--snapshot-dir", str(tmp_path / "snapshots"), "--quiet")
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1] == (
+        "faas-build: --model: a model named 'process' would share --snapshot-dir/process with the instance's "
+        "snapshot of that kind: name it otherwise")
+    assert not list(tmp_path.iterdir())
