@@ -30,6 +30,23 @@ def _make_current(index: int) -> None:
     call(d.cuCtxSetCurrent(context), "cuCtxSetCurrent")
 
 
+def create_primary_context(index: int) -> None:
+    """Create GPU INDEX's primary context (the one torch, Triton and the loader share) through the driver, with
+    the GIL released for the whole call (ctypes). Made by torch's first allocation instead, the same work holds
+    the GIL, and in a restored runtime, which makes its context on a thread while the bootstrap runs again, it
+    held the bootstrap up for as long (0.19-0.21 s of the process restore on the H100)."""
+    from ctypes import byref, c_int, c_void_p
+
+    from runtime.cuda_driver.graphs import check, lib
+
+    cu = lib()
+    check(cu.cuInit(0), "cuInit")
+    gpu, context = c_int(), c_void_p()
+    check(cu.cuDeviceGet(byref(gpu), index), "cuDeviceGet")
+    # retained for the process's life, as _make_current's: torch retains the same context when it starts
+    check(cu.cuDevicePrimaryCtxRetain(byref(context), gpu), "cuDevicePrimaryCtxRetain")
+
+
 def private_stream(device):
     """A stream of DEVICE's (a torch.device) that nothing else in the process is handed: made by the driver,
     not taken from torch's pool. torch hands its pooled streams out round robin (32 per device), so a pooled

@@ -23,7 +23,7 @@ from runtime import timeline as stages
 from runtime.config import ConfigError
 from runtime.engine.allocator import MemoryProvider
 from runtime.engine.block_manager import BlockManager
-from runtime.cuda_driver.device import use_device
+from runtime.cuda_driver.device import create_primary_context, use_device
 from runtime.engine.cpu.threads import cpu_threads
 from runtime.engine.detokenizer import OutputText
 from runtime.engine.engine_config import EngineConfig
@@ -132,7 +132,7 @@ class Engine:
         self.graph_fallbacks: dict[int, str] = {}
         self._graphs_thread: threading.Thread | None = None
         self._device_lock = threading.Lock()
-        self._device_span: tuple[float, float, bool] | None = None  # (start, end, initialised ahead)
+        self._device_span: tuple[float, float, dict] | None = None  # (start, end, the cuda_init stage's detail)
         self.ready = False
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._requests: dict[str, _Request] = {}
@@ -172,13 +172,17 @@ class Engine:
                 return
             started = time.time()
             device = torch.device(self.config.device)
+            detail: dict = {}
             if device.type == "cuda":
+                if ahead:  # the context's creation without the GIL: the thread that called this goes on
+                    create_primary_context(device.index or 0)
+                    detail = {"ahead": True, "context_s": round(time.time() - started, 4)}
                 use_device(device)
                 torch.cuda.init()
                 torch.empty(1, device=device)
             else:
                 torch.set_num_threads(self.config.cpu_threads or cpu_threads())
-            self._device_span = (started, time.time(), ahead)
+            self._device_span = (started, time.time(), detail)
 
     def start(self, kv_blocks: int | None = None, graph_restorer: GraphRestorer | None = None,
               capture_graphs: bool = True, releasable_memory: bool = False,
@@ -194,8 +198,8 @@ class Engine:
         if graph_restorer is not None:
             graph_restorer.read_ahead()  # while CUDA initialises, which leaves the GIL free most of the time
         self.init_device()
-        started, ended, ahead = self._device_span
-        t.record(stages.CUDA_INIT, started, ended, device=self.config.device, **({"ahead": True} if ahead else {}))
+        started, ended, detail = self._device_span
+        t.record(stages.CUDA_INIT, started, ended, device=self.config.device, **detail)
         device = torch.device(self.config.device)
         if device.type == "cuda":  # current per thread, and this one may not be the one that initialised it
             use_device(device if device.index is not None else torch.device("cuda", torch.cuda.current_device()))
