@@ -46,9 +46,10 @@ def test_baked_pooled_graphs_are_restored_at_each_models_first_start(tmp_path, t
     that profile with the reason."""
     dirs = {name: tiny_model(name) for name in TWO}
     out, snapshots = tmp_path / "models", tmp_path / "snapshots"
+    pooled = {**ENGINE, "GPU_MEMORY_UTILIZATION": "0.5"}  # baked with the settings the instance boots with
     build = subprocess.run([sys.executable, "-m", "snapshots.build", "--model", model_list(dirs), "--out", str(out),
                             "--snapshot-dir", str(snapshots), "--snapshots", "materialized", "--quiet"],
-                           cwd=REPO, env=server_env(**ENGINE), capture_output=True, text=True, timeout=900)
+                           cwd=REPO, env=server_env(**pooled), capture_output=True, text=True, timeout=900)
     assert build.returncode == 0, build.stderr
     for name in TWO:  # each model's summary line says its graphs were baked against the pool's KV range
         section = build.stderr[build.stderr.index(f"{name}:"):]
@@ -66,12 +67,13 @@ def test_baked_pooled_graphs_are_restored_at_each_models_first_start(tmp_path, t
         finally:
             srv.stop()
     srv = start_server(tmp_path, "pooled-baked", MODEL=served, SNAPSHOT_DIR=str(snapshots), API_KEY=API_KEY,
-                       GPU_MEMORY_UTILIZATION="0.5", **ENGINE)
+                       **pooled)
     try:
         srv.wait_ready(timeout=300)
         jobs = [(name, i) for i in range(len(PROMPTS)) for name in TWO]
         assert [complete(srv, name, PROMPTS[i]) for name, i in jobs] == [alone[job] for job in jobs]
-        assert http_get(srv, "/health")["restore_path"] == "materialized"
+        health = http_get(srv, "/health")
+        assert health["restore_path"] == "materialized", health["skipped"]
     finally:
         assert srv.stop() == 0
     assert "captured live" not in srv.log(), srv.log()[-3000:]
