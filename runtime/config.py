@@ -206,7 +206,7 @@ class Settings:
     max_num_batched_tokens: int | None = _setting(
         "MAX_NUM_BATCHED_TOKENS", _optional_positive_int, None,
         "most tokens in one step; longer prompts are prefilled in slices beside the decodes (default 2048 cuda, "
-        "512 cpu)")
+        "4096 cpu)")
     gpu_memory_utilization: float = _setting(
         "GPU_MEMORY_UTILIZATION", _fraction, 0.90, "share of GPU memory the engine may use")
     pool_memory_gb: float | None = _setting(

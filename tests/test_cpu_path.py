@@ -23,11 +23,24 @@ from tests.test_kernels import paged_batch
     ([7, 1, 31, 16], [40, 17, 95, 64]),          # slices starting mid-block
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_attention_matches_reference(query_lens, seq_lens, dtype):
+@pytest.mark.parametrize("with_new_kv", [False, True], ids=["cache", "new-kv"])
+def test_cpu_attention_matches_reference(query_lens, seq_lens, dtype, with_new_kv):
     q, k, v, meta = paged_batch(query_lens, seq_lens, heads=6, kv_heads=2, dtype=dtype)
     expected = paged_attention_reference(q, k, v, meta, 32 ** -0.5).float()
-    got = paged_attention_cpu(q, k, v, meta, 32 ** -0.5).float()
+    new_kv = step_kv(k, v, meta) if with_new_kv else None  # whole prompts read their keys from there
+    got = paged_attention_cpu(q, k, v, meta, 32 ** -0.5, new_kv).float()
     assert (got - expected).abs().max() < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def step_kv(k_cache, v_cache, meta):
+    """The keys and values of the step's tokens, [T, kv_heads, head_dim], read back from their cache slots."""
+    block_size = k_cache.shape[1]
+    slots = []
+    for i, seq_len in enumerate(meta.seq_lens_cpu):
+        num_q = meta.query_start_loc_cpu[i + 1] - meta.query_start_loc_cpu[i]
+        slots += [int(meta.block_tables[i, p // block_size]) * block_size + p % block_size
+                  for p in range(seq_len - num_q, seq_len)]
+    return k_cache.flatten(0, 1)[slots], v_cache.flatten(0, 1)[slots]
 
 
 def on_grid(w, bits):

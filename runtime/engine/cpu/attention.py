@@ -2,8 +2,9 @@
 
 A batch in which every sequence decodes one token is attended as one: every sequence's keys gathered at
 once (padded to the longest, the padding masked), two batched products. Otherwise, per sequence, the keys
-and values of its blocks are gathered (one copy of its KV, [L, kv_heads, head_dim]), and its queries, the
-last `num_q` of its `seq_len` positions, attend to them without masks:
+and values of its blocks are gathered (one copy of its KV, [L, kv_heads, head_dim]; a whole prompt's are read
+where the step computed them), and its queries, the last `num_q` of its `seq_len` positions, attend to them
+without masks:
 - a whole prompt (no cached context) is plain causal attention (`is_causal`, the flash kernel: given as one
   batch of 4-D tensors, since with 3-D ones torch takes its math path on the CPU, 4-7 times slower from 512
   to 3,000 tokens on 2 cores);
@@ -25,21 +26,28 @@ from runtime.engine.attention_metadata import AttentionMetadata
 
 
 def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [T, heads, head_dim] -> [T, heads, head_dim]."""
+                        meta: AttentionMetadata, scale: float,
+                        new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """q: [T, heads, head_dim] -> [T, heads, head_dim]. `new_kv`: this step's keys and values [T, kv_heads,
+    head_dim] (already in the cache), which a sequence without cached context attends to where they are
+    instead of gathering them back."""
     starts = meta.query_start_loc_cpu or meta.query_start_loc.tolist()
     lens = meta.seq_lens_cpu or meta.seq_lens.tolist()
     block_size = k_cache.shape[1]
     if len(lens) > 1 and len(starts) - 1 == starts[-1]:  # every sequence decodes one token
         return _decode_batch(q, k_cache, v_cache, _decode_plan(meta, lens, block_size), scale)
-    out = torch.empty_like(q)
+    outs = []
     for i, seq_len in enumerate(lens):
-        blocks = meta.block_tables[i, : -(-seq_len // block_size)]
-        keys = k_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1).to(q.dtype)     # [KVH, L, D]
-        values = v_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1).to(q.dtype)
-        queries = q[starts[i]:starts[i + 1]].transpose(0, 1)                           # [H, Lq, D]
-        out[starts[i]:starts[i + 1]] = _attend(queries, keys, values, scale).transpose(0, 1)
-    return out
+        start, end = starts[i], starts[i + 1]
+        if new_kv is not None and end - start == seq_len:
+            keys, values = (t[start:end].transpose(0, 1).to(q.dtype) for t in new_kv)       # [KVH, L, D]
+        else:
+            blocks = meta.block_tables[i, : -(-seq_len // block_size)]
+            keys = k_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1).to(q.dtype)
+            values = v_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1).to(q.dtype)
+        outs.append(_attend(q[start:end].transpose(0, 1), keys, values, scale).transpose(0, 1))  # [Lq, H, D]
+    # one sequence (a lone prompt): its output as the kernel left it, [Lq, H, D] contiguous, without a copy
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 class _DecodePlan:

@@ -33,13 +33,15 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [T, heads, head_dim] -> [T, heads, head_dim]."""
+                    meta: AttentionMetadata, scale: float,
+                    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """q: [T, heads, head_dim] -> [T, heads, head_dim]. `new_kv`: the step's keys and values, just stored
+    (the cpu path reads a whole prompt's from there rather than from the cache)."""
     if use_kernels(q):
         from runtime.engine.kernels.paged_attention import paged_attention as kernel
 
         return kernel(q, k_cache, v_cache, meta, scale)
-    return paged_attention_cpu(q, k_cache, v_cache, meta, scale)
+    return paged_attention_cpu(q, k_cache, v_cache, meta, scale, new_kv)
 
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

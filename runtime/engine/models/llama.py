@@ -47,7 +47,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, k, positions, cos_sin, rope_rows)
         store_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
-        out = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale)
+        out = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale, (k, v))
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
