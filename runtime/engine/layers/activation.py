@@ -13,5 +13,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         from runtime.engine.kernels.activation import silu_and_mul as kernel
 
         return kernel(x)
+    # in place on the projection's output (the caller's scratch): one new tensor instead of two
     gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    return torch.mul(F.silu(gate, inplace=True), up)

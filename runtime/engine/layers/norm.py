@@ -16,14 +16,15 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(size), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """Without `residual`: norm(x). With it: (norm(x + residual), x + residual), in place on cuda."""
+        """Without `residual`: norm(x). With it: (norm(x + residual), x + residual), in place (x is the
+        previous layer's output, scratch)."""
         if use_kernels(x):
             from runtime.engine.kernels.norm import rms_norm
 
             return rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return rms_norm_reference(x, self.weight, self.eps)
-        summed = x + residual
+        summed = x.add_(residual)
         return rms_norm_reference(summed, self.weight, self.eps), summed
 
 
