@@ -24,8 +24,9 @@ from tests.test_kernels import paged_batch
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_new_kv", [False, True], ids=["cache", "new-kv"])
-def test_cpu_attention_matches_reference(query_lens, seq_lens, dtype, with_new_kv):
-    q, k, v, meta = paged_batch(query_lens, seq_lens, heads=6, kv_heads=2, dtype=dtype)
+@pytest.mark.parametrize("scattered", [True, False], ids=["scattered", "consecutive"])
+def test_cpu_attention_matches_reference(query_lens, seq_lens, dtype, with_new_kv, scattered):
+    q, k, v, meta = paged_batch(query_lens, seq_lens, heads=6, kv_heads=2, dtype=dtype, scattered=scattered)
     expected = paged_attention_reference(q, k, v, meta, 32 ** -0.5).float()
     new_kv = step_kv(k, v, meta) if with_new_kv else None  # whole prompts read their keys from there
     got = paged_attention_cpu(q, k, v, meta, 32 ** -0.5, new_kv).float()

@@ -15,12 +15,14 @@ from runtime.engine.layers.norm import rms_norm_reference
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def paged_batch(query_lens, seq_lens, heads=6, kv_heads=2, head_dim=32, block_size=16, block_q=16, dtype=torch.float32):
+def paged_batch(query_lens, seq_lens, heads=6, kv_heads=2, head_dim=32, block_size=16, block_q=16, dtype=torch.float32,
+                scattered=True):
     g = torch.Generator().manual_seed(0)
     num_blocks = sum(-(-n // block_size) for n in seq_lens) + 3
     k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
     v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
-    order = torch.randperm(num_blocks, generator=g).tolist()  # blocks scattered over the cache
+    # blocks scattered over the cache, or each sequence's one after another (from the third block on)
+    order = torch.randperm(num_blocks, generator=g).tolist() if scattered else list(range(2, num_blocks))
     tables, used = [], 0
     for n in seq_lens:
         count = -(-n // block_size)

@@ -27,3 +27,5 @@ class AttentionMetadata:
     seq_lens_cpu: list[int] | None = None
     # the cpu attention's gather plan of a decode batch, made by its first layer and reused by the others
     cpu_decode_plan: object | None = None
+    # the cpu attention's first block of each sequence whose blocks are consecutive (else None), likewise
+    cpu_first_blocks: list[int | None] | None = None

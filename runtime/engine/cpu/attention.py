@@ -2,13 +2,13 @@
 
 A batch in which every sequence decodes one token is attended as one: every sequence's keys gathered at
 once (padded to the longest, the padding masked), two batched products. Otherwise, per sequence, the keys
-and values of its blocks are gathered (one copy of its KV, [L, kv_heads, head_dim]; a whole prompt's are read
-where the step computed them), and its queries, the last `num_q` of its `seq_len` positions, attend to them
-without masks:
+and values of its blocks are read as a slice of the cache where its blocks follow one another, else gathered
+(one copy of its KV, [L, kv_heads, head_dim]); a whole prompt's are read where the step computed them. Its
+queries, the last `num_q` of its `seq_len` positions, attend to them without masks:
 - a whole prompt (no cached context) is plain causal attention (`is_causal`, the flash kernel: given as one
   batch of 4-D tensors, since with 3-D ones torch takes its math path on the CPU, 4-7 times slower from 512
   to 3,000 tokens on 2 cores);
-- one query (decode) sees every key, so it needs no mask at all: two products per key head;
+- one query (decode) sees every key, so it needs no mask at all: the flash kernel again, 4-D;
 - a slice of a prompt after cached context sees all of the context and its own keys causally: the two parts
   are attended separately and merged by their log-sum-exps, as flash attention merges its key blocks.
 Grouped-query heads are not repeated, except for the log-sum-exp kernel below: the kernels read each key head
@@ -42,12 +42,28 @@ def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         if new_kv is not None and end - start == seq_len:
             keys, values = (t[start:end].transpose(0, 1).to(q.dtype) for t in new_kv)       # [KVH, L, D]
         else:
-            blocks = meta.block_tables[i, : -(-seq_len // block_size)]
+            first = _first_blocks(meta, lens, block_size)[i]
+            blocks = (slice(first, first + -(-seq_len // block_size)) if first is not None
+                      else meta.block_tables[i, : -(-seq_len // block_size)])
             keys = k_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1).to(q.dtype)
             values = v_cache[blocks].flatten(0, 1)[:seq_len].transpose(0, 1).to(q.dtype)
         outs.append(_attend(q[start:end].transpose(0, 1), keys, values, scale).transpose(0, 1))  # [Lq, H, D]
     # one sequence (a lone prompt): its output as the kernel left it, [Lq, H, D] contiguous, without a copy
     return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _first_blocks(meta: AttentionMetadata, lens: list[int], block_size: int) -> list[int | None]:
+    """Per sequence, its first block where all of its blocks follow one another in the cache (blocks never
+    used before are handed out in order): its keys are then read as a slice of the cache, a view, instead of
+    gathered, a copy of all of them for every layer (at 3,000 tokens, most of a decode step's attention).
+    Made by the first layer, reused by the others."""
+    if meta.cpu_first_blocks is None:
+        firsts = []
+        for i, seq_len in enumerate(lens):
+            blocks = meta.block_tables[i, : -(-seq_len // block_size)].tolist()
+            firsts.append(blocks[0] if blocks == list(range(blocks[0], blocks[0] + len(blocks))) else None)
+        meta.cpu_first_blocks = firsts
+    return meta.cpu_first_blocks
 
 
 class _DecodePlan:
@@ -101,11 +117,9 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> 
 
 
 def _one_query(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """A decode query [H, 1, D] over all of k, v [KVH, L, D]: each key head's group of query heads as the rows
-    of one product (torch's fused attention takes its math path here, with the key heads repeated)."""
-    heads, kv_heads, dim = q.shape[0], k.shape[0], q.shape[2]
-    scores = torch.bmm(q.reshape(kv_heads, heads // kv_heads, dim), k.transpose(1, 2)).float().mul_(scale)
-    return torch.bmm(scores.softmax(-1).to(v.dtype), v).reshape(heads, 1, dim)
+    """A decode query [H, 1, D] over all of k, v [KVH, L, D]: torch's flash kernel, given 4-D tensors (with 3-D
+    ones it took its math path, the key heads repeated), reads the keys where they are, strided or not."""
+    return F.scaled_dot_product_attention(q[None], k[None], v[None], scale=scale, enable_gqa=True)[0]
 
 
 def _with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
