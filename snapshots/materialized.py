@@ -59,7 +59,7 @@ def bake_materialized(model_dir: Path, config: EngineConfig, snapshot_dir: Path,
                       fingerprint: dict | None = None, pooled: bool = False) -> BakeReport:
     """FINGERPRINT: `current_fingerprint(settings).as_dict()` of the function's settings; without it the
     restore paths do not use the result. POOLED: for a model of a several-model instance, whose KV cache is
-    the pool's address range of `pooled_kv_blocks` blocks backed on demand (runtime/pool/kv.py): the engine is
+    the pool's address range of blocks backed on demand (runtime/pool/kv.py: KVMemory.size): the engine is
     started in a pool of its own, so that the graphs are captured against the buffers it will have there."""
     import time
 

@@ -436,11 +436,6 @@ class _Provider:
         return engine.runner.allocator.total_bytes - self.provided if engine.runner.device.type == "cpu" else 0
 
 
-def pooled_kv_blocks(engine, device: torch.device) -> int:
-    """The KV cache blocks ENGINE gets in a pool on DEVICE (faas-build bakes a pooled model's graphs for it)."""
-    return KVMemory(engine, _granule(device)).size()
-
-
 def _group_shares(m: ModelMemory) -> dict[int, int]:
     """Each resident group's share of the mapped bytes (a segment two groups share counts half to each)."""
     share = {g: 0 for g in m.resident}
