@@ -41,11 +41,12 @@ class BakeResult:
 
 
 def bake_snapshots(settings: Settings, model_dir: Path | None, kinds: Iterable[str] | None = None,
-                   scope: Iterable[str] = KINDS, pooled: bool = False) -> list[BakeResult]:
+                   scope: Iterable[str] = KINDS) -> list[BakeResult]:
     """Bake into settings.snapshot_dir the kinds of SCOPE (several models: PER_MODEL_KINDS for each model,
-    INSTANCE_KINDS for the instance, MODEL_DIR None) that KINDS names; KINDS None means every kind this
-    machine can bake. POOLED: the model is one of a several-model instance (its materialised graphs are
-    captured against its KV cache in a pool)."""
+    whose materialised graphs are then captured against its KV cache in a pool; INSTANCE_KINDS for the
+    instance, MODEL_DIR None) that KINDS names; KINDS None means every kind this machine can bake."""
+    scope = tuple(scope)
+    pooled = scope == PER_MODEL_KINDS
     wanted = [kind for kind in KINDS if kind in scope and (kinds is None or kind in kinds)]
     results = []
     for kind in wanted:

@@ -157,7 +157,7 @@ def _bake(build: Build, settings, model_dir: Path | None, heading: str | None = 
           scope: tuple[str, ...] = SNAPSHOT_KINDS) -> None:
     from snapshots.bake import bake_snapshots
 
-    results = bake_snapshots(settings, model_dir, build.snapshots, scope, pooled=scope == PER_MODEL_KINDS)
+    results = bake_snapshots(settings, model_dir, build.snapshots, scope)
     if not results:  # none of the kinds asked for is of this scope
         return
     if heading:

@@ -21,10 +21,15 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from runtime.engine.engine_config import EngineConfig
 from runtime.engine.model_runner import KVProfile
 from runtime.logs import get_logger
+
+if TYPE_CHECKING:
+    from runtime.engine import Engine
+    from runtime.pool.pool import ModelPool
 
 log = get_logger("snapshots.materialized")
 
@@ -128,8 +133,8 @@ def baked_pooled(directory: Path) -> bool:
 class _Started:
     """An engine started for the bake or its check, alone or in a pool of its own."""
 
-    engine: object
-    pool: object | None
+    engine: "Engine"
+    pool: "ModelPool | None"
     usable_blocks: int | None  # the KV blocks the graph probe may use (None: all of them)
 
     def shutdown(self) -> None:
