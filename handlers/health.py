@@ -5,7 +5,8 @@ restore path was taken, why the faster ones were skipped, the order they were tr
 faas-build: which was fastest, by how much), how long each cold-start stage took (`timeline`)
 and when each ran (`stages`: seconds since spawn; stages overlap where work runs in parallel). With several
 models, `models` lists them and `pools` each device's pool: its free bytes and, per model, the bytes resident
-and retained there, loads, switches and the last switch's seconds.
+and retained there, loads, switches, the last switch's seconds and what its first start spent (the weight
+stream, the graphs, the kernels it loaded and how long the start waited for them).
 """
 
 from __future__ import annotations
@@ -44,7 +45,17 @@ def _pool_report(stats) -> dict:
             "models": {name: {"resident_bytes": m.resident_bytes, "retained_bytes": m.retained_bytes,
                               "total_bytes": m.total_bytes, "kv_bytes": m.kv_bytes, "requests_in_flight": m.held,
                               "loads": m.loads, "switches": m.switches,
-                              "last_switch_s": m.last_switch_s} for name, m in stats.models.items()}}
+                              "last_switch_s": m.last_switch_s, "first_start": _first_start(m.first_start)}
+                       for name, m in stats.models.items()}}
+
+
+def _first_start(report) -> dict | None:
+    """Where the activation that started a model's engine spent its time (None: not started yet)."""
+    if report is None:
+        return None
+    return {"total_s": report.total_s, "stream_s": report.stream_s, "graphs_s": report.graphs_s,
+            "graphs_restored": report.graphs_restored, "kernels_s": report.kernels_s,
+            "kernels_critical_s": report.kernels_critical_s, "kernels_loaded": report.kernels_loaded}
 
 
 def routes(state: AppState) -> list[Route]:

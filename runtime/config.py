@@ -217,6 +217,10 @@ class Settings:
         "POOL_EVICTION", _choice("cost", "lru"), "cost",
         "several models: which retained weights go when the pool is short: cost (reload time weighted by "
         "request rate, per weight group) or lru (whole models, least recently used first)")
+    pool_kernels: str = _setting(
+        "POOL_KERNELS", _choice("beside", "after"), "beside",
+        "several models on cuda: a model's first activation without baked graphs loads its kernels (captures "
+        "its decode graphs) beside its weight stream, or after it as a lone model's cold start does")
     enforce_eager: bool = _setting("ENFORCE_EAGER", _bool, False, "never use CUDA graphs")
     enable_prefix_caching: bool = _setting(
         "ENABLE_PREFIX_CACHING", _bool, True,

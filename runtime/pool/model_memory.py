@@ -43,6 +43,7 @@ class ModelMemory:
         self.fixed_bytes = 0  # what the started engine holds outside the pool's backings
         self.held = 0
         self.started = False
+        self.first_start = None  # the pool's SwitchReport of the activation that started the engine
         self.rate = RequestRate()
         self.last_used = 0.0
         self.load_bytes_per_s = 0.0  # measured on its last load; 0: not measured yet

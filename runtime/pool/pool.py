@@ -20,6 +20,7 @@ import torch
 
 from runtime import timeline as stages
 from runtime.cuda_driver.device import use_device
+from runtime.engine.kernels.loaded import loaded_specialisations
 from runtime.logs import get_logger
 from runtime.pool.backing import make_backing
 from runtime.pool.errors import PoolError
@@ -48,6 +49,8 @@ class SwitchReport:
     kernels_s: float = 0.0  # loading kernel modules (first start on CUDA)
     kernels_critical_s: float = 0.0  # of that, what the switch waited for
     graphs_s: float = 0.0  # capturing or restoring CUDA graphs (first start)
+    graphs_restored: bool = False  # from a baked profile, with no capture (first start)
+    kernels_loaded: int = 0  # Triton specialisations this process loaded for it (first start)
     total_s: float = 0.0
 
 
@@ -62,6 +65,7 @@ class ModelStats:
     switches: int
     last_switch_s: float
     switch_seconds: tuple[float, ...]  # every activation that loaded bytes, for a histogram
+    first_start: SwitchReport | None  # what the activation that started its engine did
 
 
 @dataclass(frozen=True)
@@ -240,6 +244,7 @@ class ModelPool:
         # the KV cache first, the graphs restored or captured beside the weight stream; or the cold order:
         # weights, then the KV cache, then graphs captured
         beside = restorer is not None or self.proactive_kernels
+        kernels_before = loaded_specialisations()
         if not beside:
             engine.config = dataclasses.replace(engine.config, num_kv_blocks=kv_blocks)
         try:
@@ -256,8 +261,10 @@ class ModelPool:
             m.fixed_bytes = provider.other_bytes(engine)
             self._headroom = max(self._headroom, activation_bytes(engine))
         self._kernel_times(engine, report, restorer is not None, beside)
+        report.kernels_loaded = loaded_specialisations() - kernels_before
         report.bytes_loaded = m.resident_bytes
         m.load_bytes_per_s = engine.plan.total_bytes / max(report.stream_s, 1e-9)
+        m.first_start = report
         return report
 
     @staticmethod
@@ -269,6 +276,7 @@ class ModelPool:
         graphs = engine.timeline.get(stages.CUDA_GRAPHS)
         if graphs is None:
             return
+        report.graphs_restored = restored
         if restored:  # a materialised restore loads the graphs' kernels ahead and waits for what is left
             report.kernels_s = graphs.detail.get("early_kernels_s", 0.0)
             report.kernels_critical_s = graphs.detail.get("kernels_wait_s", 0.0)
@@ -382,7 +390,7 @@ class ModelPool:
             models = {
                 name: ModelStats(m.resident_bytes, m.resident_bytes if not m.held else 0, m.total_bytes,
                                  m.kv.mapped_bytes, m.held, m.counters.loads, m.counters.switches,
-                                 m.counters.last_switch_s, tuple(m.counters.switch_seconds))
+                                 m.counters.last_switch_s, tuple(m.counters.switch_seconds), m.first_start)
                 for name, m in self._models.items()}
             used = self.budget_bytes - self._free()
         return PoolStats(str(self.device), self.budget_bytes, used, self.budget_bytes - used, models)

@@ -129,6 +129,8 @@ def test_health_and_metrics_report_each_model(roomy):
     pool = health["pools"]["cpu"]
     qwen3 = pool["models"]["tiny-qwen3"]
     assert qwen3["resident_bytes"] == qwen3["total_bytes"] > 0 and qwen3["loads"] >= 1
+    first = qwen3["first_start"]  # its engine's start: the weights streamed, no graphs on the host
+    assert first["total_s"] >= first["stream_s"] > 0 and first["graphs_restored"] is False
     assert 0 < pool["free_bytes"] < pool["budget_bytes"]
     with httpx.Client(base_url=roomy.url, headers={"Authorization": f"Bearer {API_KEY}"}) as http:
         m = metrics(http)
