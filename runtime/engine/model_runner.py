@@ -17,6 +17,7 @@ from runtime.engine.attention_metadata import AttentionMetadata
 from runtime.engine.block_manager import BlockManager
 from runtime.engine.decode_inputs import DecodeBuffers, DecodeStaging
 from runtime.engine.engine_config import EngineConfig
+from runtime.engine.kernels.shape_class import prefill_block_q
 from runtime.engine.layers.rotary import cos_sin_table, inverse_frequencies
 from runtime.engine.model_config import ModelConfig
 from runtime.engine.models.llama import LlamaForCausalLM, bind_weights
@@ -24,7 +25,6 @@ from runtime.engine.scheduler import ScheduledBatch
 from runtime.engine.sequence import PENDING, Sequence
 from runtime.engine.weight_plan import WeightPlan, tensor_views, torch_dtype
 
-PREFILL_BLOCK_Q = 16
 #: a CUDA context with torch's kernels loaded (about 500 MiB on an H100), created before anything is measured
 CUDA_CONTEXT_BYTES = 512 << 20
 #: left free on the GPU beside the KV cache (fragmentation, other processes' growth)
@@ -68,6 +68,8 @@ class ModelRunner:
         self.dtype = torch_dtype(config.dtype)
         self.allocator = DeviceAllocator(self.device, memory)
         self.max_model_len = max_model_len
+        # prefill tiles of the attention kernel's shape class (runtime/engine/kernels/shape_class.py)
+        self.prefill_block_q = prefill_block_q(model_config.num_heads // model_config.num_kv_heads)
         self.max_blocks_per_seq = -(-max_model_len // config.block_size)
         self.reserved_blocks = 1 if config.use_cuda_graphs else 0
         sizes = [bs for bs in config.cuda_graph_batch_sizes if bs <= config.max_num_seqs]
@@ -300,7 +302,7 @@ class ModelRunner:
         starts = [0]
         for n in query_lens:
             starts.append(starts[-1] + n)
-        block_q = 1 if max(query_lens) == 1 else PREFILL_BLOCK_Q
+        block_q = 1 if max(query_lens) == 1 else self.prefill_block_q
         tile_seq, tile_start = [], []
         for i, n in enumerate(query_lens):
             for s in range(starts[i], starts[i + 1], block_q):

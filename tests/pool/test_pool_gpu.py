@@ -18,15 +18,15 @@ CONFIG = dict(device="cuda", dtype="bfloat16", max_model_len=256, max_num_seqs=8
               cuda_graph_batch_sizes=(1, 2, 4, 8))
 
 
-def small_model(out, tiny_dir, seed: int) -> str:
+def small_model(out, tiny_dir, seed: int, hidden: int = 1024, heads: int = 16, intermediate: int = 2816) -> str:
     """A Qwen2-shaped model of ~190 MB in bfloat16 (eight 22 MB layers: about eleven 2 MiB granules each), so
     that groups map to several granules of their own; the tiny preset's tokenizer."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=512, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
-                                         num_attention_heads=16, num_key_value_heads=2, max_position_embeddings=512,
-                                         tie_word_embeddings=False))
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=512, hidden_size=hidden, intermediate_size=intermediate,
+                                         num_hidden_layers=8, num_attention_heads=heads, num_key_value_heads=2,
+                                         max_position_embeddings=512, tie_word_embeddings=False))
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.05) if p.dim() > 1 else p.uniform_(0.5, 1.5)
@@ -119,3 +119,39 @@ def test_switches_keep_graphs_right_and_stream_only_missing_groups(layouts, proa
         print(json.dumps({n: vars(m) for n, m in stats.models.items()}, default=str))
     finally:
         pool.shutdown()
+
+
+def test_a_model_of_another_size_in_the_same_shape_classes_loads_no_triton_kernel(layouts, tmp_path, tiny_model):
+    """Model "a" (hidden 1024, 8 query heads per KV head) started first; a model of other sizes (hidden 768,
+    6 per KV head, as Qwen2-1.5B against Llama-3-8B) then starts, prefills and decodes on the kernels "a"
+    loaded: its first start and first request compile or load no Triton kernel, and it answers as alone."""
+    from runtime.engine.kernels.loaded import loaded_specialisations
+    from runtime.weights.layout import write_layout
+
+    other = tmp_path / "d"
+    write_layout(small_model(tmp_path / "hf-d", tiny_model("tiny-qwen2"), 3, hidden=768, heads=12,
+                             intermediate=2048), str(other), dtype="bfloat16", chunk_bytes=4 << 20, progress=False)
+    pool = ModelPool(torch.device("cuda"), 1 << 50)
+    pool.add("a", build(layouts["a"]))
+    pool.add("d", build(other))
+    try:
+        for name in ("a", "d"):
+            before = loaded_specialisations()
+            report = pool.activate(name)
+            pool.hold(name)
+            try:
+                pooled = [greedy(pool.engine(name), p) for p in PROMPTS]  # prefills and decodes of 1 to 3
+            finally:
+                pool.release(name)
+            added = loaded_specialisations() - before
+            print(json.dumps({"model": name, "kernels_loaded_at_start": report.kernels_loaded,
+                              "kernels_loaded_with_first_requests": added}))
+        assert added == 0 and report.kernels_loaded == 0
+    finally:
+        pool.shutdown()
+    engine = build(other)
+    engine.start()
+    try:
+        assert [greedy(engine, p) for p in PROMPTS] == pooled
+    finally:
+        engine.shutdown()

@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from runtime.engine.kernels.shape_class import kv_row_block
+
 
 @triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, stride_kt, stride_vt, size,
@@ -32,4 +34,4 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         if x.stride(2) != 1 or x.stride(1) != x.shape[2]:
             raise ValueError(f"store_kv needs each token's heads contiguous, got strides {x.stride()}")
     _store_kv_kernel[(k.shape[0],)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0), size,
-                                    BLOCK=triton.next_power_of_2(size), num_warps=4)
+                                    BLOCK=kv_row_block(size), num_warps=4)

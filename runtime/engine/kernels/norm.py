@@ -12,6 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
+from runtime.engine.kernels.shape_class import row_block, row_warps
+
 
 @triton.jit
 def _normalise_row(x, w_ptr, out_row, cols, mask, size, eps, dtype: tl.constexpr):
@@ -60,8 +62,9 @@ def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, stride_x, stride_r, si
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     size = x.shape[-1]
-    block = triton.next_power_of_2(size)
-    warps = 4 if size <= 2048 else 8
+    # a row of the hidden size at its shape class's block; the q/k norm's row, a head, at its own size
+    block = row_block(size) if x.dim() == 2 else triton.next_power_of_2(size)
+    warps = row_warps(block)
     if residual is not None:
         _add_rms_norm_kernel[(x.shape[0],)](x, residual, weight, x.stride(0), residual.stride(0), size, eps,
                                             BLOCK=block, num_warps=warps)

@@ -18,13 +18,16 @@ from runtime.engine.attention_metadata import AttentionMetadata
 BLOCK_N = 64
 
 
-@triton.jit
+# The group (query heads per KV head) and the tile's query tokens are runtime arguments, unspecialised: the
+# compiled kernel is one per shape class (BLOCK_M rows, the head dimension), shared by every model of that
+# class (runtime/engine/kernels/shape_class.py)
+@triton.jit(do_not_specialize=["group", "block_q"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     tile_seq_ptr, tile_q_start_ptr, query_start_ptr, seq_lens_ptr, block_tables_ptr,
     scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kslot, stride_kh, stride_vslot, stride_vh, stride_bt,
-    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    group, block_q, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr,
 ):
     tile = tl.program_id(0)
@@ -37,9 +40,9 @@ def _paged_attention_kernel(
     first_position = seq_len - (seq_q_end - seq_q_start)
 
     rows = tl.arange(0, BLOCK_M)
-    token = q_start + rows // GROUP
-    head = kv_head * GROUP + rows % GROUP
-    row_valid = (rows < BLOCK_Q * GROUP) & (token < seq_q_end)
+    token = q_start + rows // group
+    head = kv_head * group + rows % group
+    row_valid = (rows < block_q * group) & (token < seq_q_end)
     position = first_position + token - seq_q_start
     dims = tl.arange(0, BLOCK_D)
     dim_valid = dims < HEAD_DIM
@@ -50,7 +53,7 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    last_token = tl.minimum(q_start + BLOCK_Q, seq_q_end) - 1
+    last_token = tl.minimum(q_start + block_q, seq_q_end) - 1
     kv_end = first_position + last_token - seq_q_start + 1
     for start in range(0, kv_end, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
@@ -94,7 +97,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_flat.stride(0), k_flat.stride(1),
         v_flat.stride(0), v_flat.stride(1), meta.block_tables.stride(0),
-        GROUP=group, BLOCK_Q=meta.block_q, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+        group, meta.block_q, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
         HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)), KV_BLOCK_SIZE=block_size,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=4 if block_m <= 32 else 8,

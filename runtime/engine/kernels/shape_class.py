@@ -1,0 +1,53 @@
+"""Kernel reuse by shape class: each Triton kernel is compiled for a class of shapes, not for one model's.
+
+A model's sizes (hidden size, head counts, the query heads per KV head) are runtime arguments of the kernels,
+and the compile-time block sizes are chosen per class, so that models of different sizes launch the same
+compiled kernel: a model whose classes another model of the process already loaded loads no Triton kernel
+at its first start (PASK's reuse of loaded kernels, decided ahead: docs/multi-model.md, "Kernels"). Every
+hidden size up to 4,096 is one class (Qwen2 0.5B to 7B, Llama-3 8B, Mistral 7B), every KV width up to
+1,024 one (8 KV heads of 128), every head count up to 32 one.
+
+The classes are fixed rather than picked at run time among the kernels already loaded, because a
+materialised CUDA graph names its kernels (snapshots/cudagraph): the kernel a model launches must be the
+one it was baked with, whatever else the process loaded before it. A masked lane costs an instruction, not a
+memory access, so a row kernel run at a larger block than the row is as fast while it is bound by memory.
+"""
+
+from __future__ import annotations
+
+ROW_CLASS = 4096  # norms: hidden sizes
+KV_ROW_CLASS = 1024  # the KV write: kv_heads * head_dim
+HEADS_CLASS = 32  # rotary: the larger of the query and KV head counts
+HALF_CLASS = 64  # rotary: half the head dimension
+PREFILL_ROWS = 64  # prefill attention: query rows (tokens x heads of a group) per tile
+
+
+def row_block(size: int) -> int:
+    return max(ROW_CLASS, _power_of_2(size))
+
+
+def row_warps(block: int) -> int:
+    return 8 if block >= 4096 else 4
+
+
+def kv_row_block(size: int) -> int:
+    return max(KV_ROW_CLASS, _power_of_2(size))
+
+
+def heads_block(heads: int) -> int:
+    return max(HEADS_CLASS, _power_of_2(heads))
+
+
+def half_block(half: int) -> int:
+    return max(HALF_CLASS, _power_of_2(half))
+
+
+def prefill_block_q(group: int) -> int:
+    """Query tokens per prefill tile: as many as fill PREFILL_ROWS rows with a GROUP of heads each, so that
+    every model with that many rows or fewer per group launches the same attention kernel."""
+    return max(1, PREFILL_ROWS // group)
+
+
+def _power_of_2(n: int) -> int:
+    # not triton's: the CPU path imports this module (the prefill tiles) and must not import Triton
+    return 1 << max(0, n - 1).bit_length()
