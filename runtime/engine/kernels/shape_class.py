@@ -3,9 +3,10 @@
 A model's sizes (hidden size, head counts, the query heads per KV head) are runtime arguments of the kernels,
 and the compile-time block sizes are chosen per class, so that models of different sizes launch the same
 compiled kernel: a model whose classes another model of the process already loaded loads no Triton kernel
-at its first start (PASK's reuse of loaded kernels, decided ahead: docs/multi-model.md, "Kernels"). Every
-hidden size up to 4,096 is one class (Qwen2 0.5B to 7B, Llama-3 8B, Mistral 7B), every KV width up to
-1,024 one (8 KV heads of 128), every head count up to 32 one.
+at its first start (PASK's reuse of loaded kernels, decided ahead: docs/multi-model.md, "Kernels"). The
+attention is one class for every head dimension of 128 (Qwen2, Qwen3, Llama-3, Mistral), whatever the
+heads per KV head, and so is the KV write up to 1,024 wide (8 KV heads of 128); the norms take a hidden
+size up to 2,048 in one class and up to 4,096 in the next, the rotary up to 16 heads and up to 32.
 
 The classes are fixed rather than picked at run time among the kernels already loaded, because a
 materialised CUDA graph names its kernels (snapshots/cudagraph): the kernel a model launches must be the
@@ -15,9 +16,12 @@ memory access, so a row kernel run at a larger block than the row is as fast whi
 
 from __future__ import annotations
 
-ROW_CLASS = 4096  # norms: hidden sizes
+# The smallest class of the norms and the rotary is not the largest common size: one at 4,096 (and 32
+# heads) made Qwen2-1.5B's decode steps 2-3% slower on the H100 (scripts/bench_decode.py, this tree against
+# the one before the classes, same run), for two kernels loaded once per process
+ROW_CLASS = 2048  # norms: hidden sizes
 KV_ROW_CLASS = 1024  # the KV write: kv_heads * head_dim
-HEADS_CLASS = 32  # rotary: the larger of the query and KV head counts
+HEADS_CLASS = 16  # rotary: the larger of the query and KV head counts
 HALF_CLASS = 64  # rotary: half the head dimension
 PREFILL_ROWS = 64  # prefill attention: query rows (tokens x heads of a group) per tile
 
@@ -27,7 +31,7 @@ def row_block(size: int) -> int:
 
 
 def row_warps(block: int) -> int:
-    return 8 if block >= 4096 else 4
+    return 8 if block > 2048 else 4
 
 
 def kv_row_block(size: int) -> int:
