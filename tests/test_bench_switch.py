@@ -11,6 +11,7 @@ import pytest
 
 from runtime.bench.multi_trace import zipf_models
 from runtime.bench.switch import classify, probe_targets
+from runtime.bench.switch_first import boot_order
 from runtime.bench.switch_models import BenchModel, parse_shapes
 from tests.test_bench import PNG_MAGIC, faas_bench
 
@@ -30,12 +31,17 @@ def test_shapes_zipf_and_targets():
     assert zipf_models(models, 50, 1.0, seed=3) == zipf_models(models, 50, 1.0, seed=3)
     targets = [(b.name, a.name, [o.name for o in others]) for b, a, others in probe_targets(models)]
     assert targets == [("q0", "q1", ["l0", "l1"]), ("l0", "q0", ["l1", "q1"])]
+    # an instance starts its first model at boot: a model that is no B, so each B's first request starts it
+    assert [m.name for m in boot_order(models, probe_targets(models))] == ["q1", "l1", "q0", "l0"]
     assert [classify(f) for f in (1.0, 0.5, 0.0)] == ["retained", "partial", "evicted"]
 
 
 def test_bad_shapes_stop_the_bench_with_one_line(tmp_path):
     done = faas_bench("switch", "--shapes", "gpt-5:2", "--out", str(tmp_path), timeout=60)
     assert done.returncode == 2 and "unknown shape 'gpt-5'" in done.stderr
+    done = faas_bench("switch", "--first-kernels", "beside,during", "--out", str(tmp_path), timeout=60)
+    assert done.returncode == 2 and "kernels must be among beside,after,restored" in done.stderr
+    assert not any(tmp_path.iterdir())  # stopped before anything was made
 
 
 def test_switch_smoke_on_cpu(tmp_path):
@@ -59,6 +65,14 @@ def test_switch_smoke_on_cpu(tmp_path):
     evicted = probes[2]  # reached by the cost model, or else by whole-model eviction in a second instance
     assert evicted["status"] == "ok" and evicted["retained_fraction"] == 0.0, evicted
     assert evicted["bytes_loaded"] == latency["models"][0]["nbytes"] and evicted["eviction"] in ("cost", "lru")
+    firsts = {f["kernels"]: f for f in latency["first_activations"]}  # B's first request, A active, per kind
+    assert list(firsts) == ["beside", "after", "restored"]
+    for f in (firsts["beside"], firsts["after"]):  # B's engine started by that request: its weights streamed
+        assert f["status"] == "ok" and f["model"] == "tiny-0" and f["previous"] == "tiny-1", f
+        assert f["ttft_s"] >= f["total_s"] > 0 and f["stream_s"] > 0 and f["active_ttft_s"] > 0
+        assert f["graphs_restored"] is False and f["kernels_loaded"] >= 0
+    restored = firsts["restored"]
+    assert restored["status"] == "skipped" and "need a GPU" in restored["reason"] and restored["ttft_s"] is None
     fresh = latency["fresh"]  # B's fresh instance from the process snapshot faas-build baked for it, and cold
     assert [fresh[f"tiny-0:{mode}"]["status"] for mode in ("process", "cold", "transformers")] == ["ok"] * 3
     trace = json.loads((out / "multi-model-trace.json").read_text())
@@ -77,6 +91,7 @@ def test_switch_smoke_on_cpu(tmp_path):
     assert points["per-model"]["switches"] >= 1  # instance starts
     assert (out / "switch.png").read_bytes().startswith(PNG_MAGIC)
     table = (out / "switch.md").read_text()
+    assert "| tiny-0 | beside |" in table and "| tiny-0 | restored | skipped: materialized snapshots need" in table
     assert "| B | state |" in table and "| pool | 4 |" in table and "| per-model | 4 |" in table
     assert "| pool-fixed | 4 | cpu:1 |" in table
     assert "trace pool at 4/s:" in done.stderr  # progress

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Sequence
 
 from runtime.bench import BenchError
-from runtime.bench.records import ALL_MODES, SERVER_MODES, VARIANTS
+from runtime.bench.records import ALL_MODES, FIRST_KERNELS, SERVER_MODES, VARIANTS
 from runtime.config import ConfigError, Settings
 from runtime.logs import setup_logging
 
@@ -65,12 +65,12 @@ def server_settings(args: argparse.Namespace) -> dict[str, str]:
     return settings
 
 
-def _modes(allowed: tuple[str, ...]):
+def _modes(allowed: tuple[str, ...], what: str = "modes"):
     def parse(text: str) -> tuple[str, ...]:
         modes = tuple(dict.fromkeys(m.strip() for m in text.split(",") if m.strip()))
         unknown = [m for m in modes if m not in allowed]
         if unknown or not modes:
-            raise argparse.ArgumentTypeError(f"modes must be among {','.join(allowed)}")
+            raise argparse.ArgumentTypeError(f"{what} must be among {','.join(allowed)}")
         return modes
 
     return parse
@@ -167,7 +167,8 @@ def _switch_parser(sub, common: argparse.ArgumentParser) -> None:
     switch = sub.add_parser(
         "switch", parents=[common], help="several models in one instance: switch latency and a multi-model trace",
         description="Random-weight models of real shapes in one instance: the switch latency to a model fully "
-                    "retained, partly retained and evicted, beside a fresh instance of it and transformers; then "
+                    "retained, partly retained and evicted, beside a fresh instance of it and transformers; its first "
+                    "activation with kernels loaded beside the weights, after them and restored; then "
                     "a multi-model trace (Zipf popularity) against LRU whole-model eviction and one instance per "
                     "model scaled to zero. --model is not used: the bench makes its models.")
     switch.add_argument("--shapes", type=_shapes, default=_shapes("qwen2-1.5b:4,llama-3-8b:2"),
@@ -183,6 +184,10 @@ def _switch_parser(sub, common: argparse.ArgumentParser) -> None:
     switch.add_argument("--fresh-modes", type=_modes(SERVER_MODES), default=("cold",),
                         help="restore paths tried for the fresh instance of B, the fastest reported (cold; "
                              "for the others faas-build bakes B's snapshots first, e.g. process,cold)")
+    switch.add_argument("--first-kernels", type=_modes(FIRST_KERNELS, "kernels"), default=FIRST_KERNELS,
+                        help="first activations to probe, among beside (kernels loaded beside the weight stream), "
+                             "after (POOL_KERNELS=after) and restored (graphs from pooled profiles faas-build "
+                             "bakes first; a GPU only) (default: all three)")
     switch.add_argument("--rates", type=_rates, default=(1.0,), help="trace request rates (1)")
     switch.add_argument("--duration", type=_positive(float), default=120.0, help="seconds of arrivals per rate (120)")
     switch.add_argument("--zipf", type=float, default=1.0, help="Zipf exponent of model popularity (1.0)")

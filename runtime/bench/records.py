@@ -10,6 +10,8 @@ from runtime.timeline import STAGE_ORDER
 #: the server's restore paths (in the fixed order auto uses without a measurement), and the outside baseline
 SERVER_MODES = ("gpu", "process", "materialized", "cold")
 BASELINE_MODE = "transformers"
+#: how a several-model instance's first activation of a model loads its kernels (faas-bench switch's rows)
+FIRST_KERNELS = ("beside", "after", "restored")
 ALL_MODES = SERVER_MODES + (BASELINE_MODE,)
 #: a restore path with one setting changed, to compare the two in one run (never run unless named):
 #: gpu-after and process-after stream the weights after the restore instead of during it; process-during

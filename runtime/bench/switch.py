@@ -15,17 +15,21 @@ the switch's own cost is the difference.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Awaitable, Callable, TypeVar
 
 import httpx
 
 from runtime.bench import BenchError
 from runtime.bench.client import Prompt, stream_completion
+from runtime.bench.instance import Instance
 from runtime.bench.switch_models import BenchModel
 from runtime.logs import get_logger
 
 log = get_logger("bench")
 
 STATES = ("retained", "partial", "evicted")
+T = TypeVar("T")
 
 
 @dataclass
@@ -59,12 +63,34 @@ class InstanceProbe:
             raise BenchError(f"a request for {model} failed: {timing.error}")
         return timing.first_token_at - timing.sent_at
 
+    async def health(self) -> dict:
+        return (await self.client.get(f"{self.url}/health", timeout=30)).json()
+
     async def pool_model(self, model: str) -> dict:
-        """`model`'s entry of /health's pools, summed over the devices that hold it."""
-        health = (await self.client.get(f"{self.url}/health", timeout=30)).json()
-        entries = [pool["models"][model] for pool in health["pools"].values() if model in pool["models"]]
-        best = max(entries, key=lambda m: m["resident_bytes"])  # the device the request would go to
-        return best
+        """`model`'s entry of /health's pools on the device that holds most of it."""
+        entries = self._entries(await self.health(), model)
+        return max(entries, key=lambda m: m["resident_bytes"])  # the device the request would go to
+
+    async def first_start(self, model: str) -> dict | None:
+        """What `model`'s engine start spent (/health `first_start`), None while it never started."""
+        starts = [m["first_start"] for m in self._entries(await self.health(), model) if m["first_start"]]
+        return starts[0] if starts else None
+
+    @staticmethod
+    def _entries(health: dict, model: str) -> list[dict]:
+        return [pool["models"][model] for pool in health["pools"].values() if model in pool["models"]]
+
+
+async def in_instance(mode: str, settings: dict[str, str], prompt: Prompt, log_path: Path, timeout_s: float,
+                      work: Callable[[InstanceProbe], Awaitable[T]]) -> T:
+    """WORK against one instance started on restore path MODE with SETTINGS, stopped after it."""
+    async with httpx.AsyncClient() as client:
+        instance = Instance.spawn(mode, settings, log_path)
+        try:
+            await instance.wait_ready(client, timeout_s)
+            return await work(InstanceProbe(client, instance.url, prompt, timeout_s))
+        finally:
+            await instance.stop()
 
 
 async def probe(instance: InstanceProbe, b: BenchModel, a: BenchModel, others: list[BenchModel],

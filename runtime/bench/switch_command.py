@@ -1,6 +1,7 @@
 """`faas-bench switch`: several models in one instance. The switch latency probes (switch.py) beside a fresh
-instance of B on its fastest restore path and B loaded by transformers (coldstart.py), then the multi-model
-trace (multi_trace.py). Writes switch-latency.json, multi-model-trace.json, switch.md and switch.png."""
+instance of B on its fastest restore path and B loaded by transformers (coldstart.py), B's first activations
+(switch_first.py), then the multi-model trace (multi_trace.py). Writes switch-latency.json,
+multi-model-trace.json, switch.md and switch.png."""
 
 from __future__ import annotations
 
@@ -11,18 +12,18 @@ import subprocess
 import sys
 from pathlib import Path
 
-import httpx
-
 from runtime.bench import BenchError
 from runtime.bench.coldstart import ColdStartPlan, run_coldstart
-from runtime.bench.instance import SOURCE_ROOT, Instance, child_environment
+from runtime.bench.instance import SOURCE_ROOT, child_environment
 from runtime.bench.machine import describe_machine
 from runtime.bench.multi_trace import SystemPoint, run_per_model, run_pool, zipf_models
 from runtime.bench.plots import plot_switch, switch_title
 from runtime.bench.prompt import PromptMaker
 from runtime.bench.records import BASELINE_MODE, ModeResult
 from runtime.bench.report import provenance, write_json
-from runtime.bench.switch import STATES, InstanceProbe, SwitchProbe, probe, probe_targets
+from runtime.bench.switch import STATES, SwitchProbe, in_instance, probe, probe_targets
+from runtime.bench.switch_first import (FirstActivationProbe, boot_order, first_activations, first_table,
+                                        model_setting, separate_instances)
 from runtime.bench.switch_models import BenchModel, make_models
 from runtime.bench.workload import WorkloadShape, make_workload
 from runtime.logs import get_logger
@@ -44,20 +45,22 @@ async def run_switch_command(args: argparse.Namespace, settings: dict[str, str])
     models = make_models(args.shapes, models_dir, int(args.chunk_mb * 2**20), log_dir)
     pool_bytes = int(args.pool_gb * GiB) if args.pool_gb else default_pool_bytes(models)
     device = settings.get("DEVICE", "auto")
-    base = {**settings, "MODEL": ",".join(f"{m.name}={m.layout_dir}" for m in models),
+    base = {**settings, "MODEL": model_setting(models),
             **pool_budget(pool_bytes, device)}
     prompts = PromptMaker(str(models[0].hf_dir))
     context = {"command": "switch", "argv": args.argv, "machine": describe_machine(), "settings": settings,
                "models": [dataclasses.asdict(m) | {"hf_dir": str(m.hf_dir), "layout_dir": str(m.layout_dir)}
                           for m in models], "pool_bytes": pool_bytes}
-    probes, fresh = await _switch_latency(args, base, models, prompts, settings, log_dir)
+    probes, firsts, fresh = await _switch_latency(args, base, models, prompts, settings, log_dir)
     write_json(args.out / "switch-latency.json", {**context, "probes": [dataclasses.asdict(p) for p in probes],
+                                                 "first_activations": [dataclasses.asdict(f) for f in firsts],
                                                  "fresh": {k: dataclasses.asdict(v) for k, v in fresh.items()}})
     points = await _trace(args, base, models, prompts, settings, pool_bytes, log_dir)
     write_json(args.out / "multi-model-trace.json", {**context, "rates": args.rates, "duration_s": args.duration,
                                                     "zipf": args.zipf, "seed": args.seed,
                                                     "points": [dataclasses.asdict(p) for p in points]})
-    tables = "\n\n".join([provenance(context), probe_table(probes, fresh), trace_table(points)])
+    tables = "\n\n".join([provenance(context), probe_table(probes, fresh)] + ([first_table(firsts)] if firsts else [])
+                         + [trace_table(points)])
     (args.out / "switch.md").write_text(tables + "\n")
     plot_switch([dataclasses.asdict(p) for p in probes], {k: _fastest_s(v) for k, v in fresh.items()},
                 [dataclasses.asdict(p) for p in points if p.status == "ok"], args.out / "switch.png",
@@ -99,15 +102,22 @@ def _gpu_memory_bytes() -> int | None:
 # -- switch latency ----------------------------------------------------------------------------------------
 
 async def _switch_latency(args, base: dict[str, str], models: list[BenchModel], prompts: PromptMaker,
-                          settings: dict[str, str], log_dir: Path) -> tuple[list[SwitchProbe], dict[str, ModeResult]]:
+                          settings: dict[str, str], log_dir: Path
+                          ) -> tuple[list[SwitchProbe], list[FirstActivationProbe], dict[str, ModeResult]]:
     prompt = prompts.prompt(min(args.prompt_tokens, args.max_len // 2))  # B's one token must fit the context
     targets = probe_targets(models)
-    probes = await _probe_states(args, {**base, "POOL_EVICTION": "cost"}, prompt, log_dir / "switch-instance.log",
-                                 [(b, a, others, state) for b, a, others in targets for state in STATES])
+    beside = targets if "beside" in args.first_kernels else []  # each B's first request, before its probes
+    firsts, probes = await _probe_states(
+        args, {**base, "MODEL": model_setting(boot_order(models, targets)), "POOL_EVICTION": "cost"}, prompt,
+        log_dir / "switch-instance.log", [(b, a, others, state) for b, a, others in targets for state in STATES],
+        beside)
+    device = settings.get("DEVICE", "auto")
+    firsts += await separate_instances(args, {**base, **_one_device(args.gpus, device)}, targets, prompt,
+                                       device != "cpu" and _gpu_memory_bytes() is not None, log_dir)
     unreached = [i for i, p in enumerate(probes) if p.state == "evicted" and p.status != "ok"]
     if unreached:  # whole-model eviction drops B entirely: the reload of all its bytes
-        again = await _probe_states(args, {**base, "POOL_EVICTION": "lru"}, prompt, log_dir / "switch-lru.log",
-                                    [(*targets[i // len(STATES)], "evicted") for i in unreached])
+        _, again = await _probe_states(args, {**base, "POOL_EVICTION": "lru"}, prompt, log_dir / "switch-lru.log",
+                                       [(*targets[i // len(STATES)], "evicted") for i in unreached])
         for i, retry in zip(unreached, again):
             retry.eviction = "lru"
             if retry.status == "ok":
@@ -126,27 +136,25 @@ async def _switch_latency(args, base: dict[str, str], models: list[BenchModel], 
                              baseline_model=str(b.hf_dir))
         for result in await run_coldstart(plan):
             fresh[f"{b.name}:{result.mode}"] = result
-    return probes, fresh
+    return probes, firsts, fresh
 
 
 async def _probe_states(args, settings: dict[str, str], prompt, log_path: Path,
-                        wanted: list[tuple[BenchModel, BenchModel, list[BenchModel], str]]) -> list[SwitchProbe]:
-    """One instance with SETTINGS; each (B, A, others, state) probed in turn."""
-    probes = []
-    async with httpx.AsyncClient() as client:
-        instance = Instance.spawn("cold", settings, log_path)
-        try:
-            await instance.wait_ready(client, args.timeout)
-            target = InstanceProbe(client, instance.url, prompt, args.timeout)
-            for b, a, others, state in wanted:
-                log.info("switch: probing %s %s (A = %s, eviction %s)", b.name, state, a.name,
-                         settings["POOL_EVICTION"])
-                result = await probe(target, b, a, others, state)
-                result.eviction = settings["POOL_EVICTION"]
-                probes.append(result)
-        finally:
-            await instance.stop()
-    return probes
+                        wanted: list[tuple[BenchModel, BenchModel, list[BenchModel], str]], first=()
+                        ) -> tuple[list[FirstActivationProbe], list[SwitchProbe]]:
+    """One instance with SETTINGS: the first activations of FIRST's Bs (kernels beside the weights), then
+    each (B, A, others, state) probed in turn."""
+    async def work(target) -> tuple[list[FirstActivationProbe], list[SwitchProbe]]:
+        firsts = await first_activations(target, list(first), "beside")
+        probes = []
+        for b, a, others, state in wanted:
+            log.info("switch: probing %s %s (A = %s, eviction %s)", b.name, state, a.name, settings["POOL_EVICTION"])
+            result = await probe(target, b, a, others, state)
+            result.eviction = settings["POOL_EVICTION"]
+            probes.append(result)
+        return firsts, probes
+
+    return await in_instance("cold", settings, prompt, log_path, args.timeout, work)
 
 
 def bake_fresh(model: BenchModel, kinds: list[str], settings: dict[str, str], log_dir: Path) -> tuple[str, Path]:
