@@ -118,10 +118,11 @@ async def _restored(args, settings: dict[str, str], targets: list[Target], promp
     rows, health = await in_instance("materialized", {**settings, "SNAPSHOT_DIR": str(snapshots)}, prompt,
                                      log_dir / "first-restored.log", args.timeout,
                                      lambda instance: _rows_and_health(instance, targets))
+    unbaked = health.get("skipped", {}).get("materialized", "")  # "name: why; name: why"
     for row in rows:
         if row.status == "ok" and not row.graphs_restored:  # measured, but on another path than the row's
-            row.status, row.reason = "skipped", (
-                f"graphs not restored: {health.get('skipped', {}).get('materialized', 'no reason given')}")
+            why = next((part for part in unbaked.split("; ") if part.startswith(f"{row.model}: ")), unbaked)
+            row.status, row.reason = "skipped", f"graphs not restored: {why or 'no reason given'}"
     return rows
 
 
