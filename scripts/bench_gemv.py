@@ -6,6 +6,11 @@ no launch finds its weights in L2, as a decode step does. Reported: microseconds
 bandwidth it reads the weights at (weight bytes / time). Prints a table and writes JSON.
 
     python scripts/bench_gemv.py --shapes qwen2-1.5b llama-3-8b --tokens 1 2 4 8 --out gemv.json
+
+`--sweep` times the one-token kernel instead at other compile-time configurations (rows per program, K
+chunk, warps, pipeline stages) and sums each configuration's time over a whole decode step's projections
+(every layer's and the lm_head) per shape: the kernel has one configuration for every shape, so the one to
+keep is the fastest over all shapes.
 """
 
 from __future__ import annotations
@@ -78,6 +83,54 @@ def measure(shape_name: str, tokens: list[int], replays: int) -> list[dict]:
     return rows
 
 
+SWEEP = [(bn, bk, warps, stages) for bn in (4, 8, 16) for bk in (512, 1024, 2048) for warps in (4, 8)
+         for stages in (2, 3, 4)]
+
+
+def sweep(shape_names: list[str], replays: int) -> list[dict]:
+    """Per configuration and shape: microseconds of one decode step's one-token projections."""
+    import torch
+    import triton
+
+    from runtime.engine.kernels.gemv import _gemv_kernel
+
+    rows = []
+    for shape_name in shape_names:
+        shape = SHAPES[shape_name]
+        for name, (n, k) in projections(shape).items():
+            count = 1 if name == "lm_head" else shape["num_hidden_layers"]
+            copies = max(2, -(-4 * L2_BYTES // (n * k * 2)))
+            weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+            x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+            for bn, bk, warps, stages in SWEEP:
+                def launch(a, w, bn=bn, bk=bk, warps=warps, stages=stages):
+                    out = torch.empty((1, w.shape[0]), dtype=a.dtype, device=a.device)
+                    _gemv_kernel[(triton.cdiv(w.shape[0], bn),)](w, a, w, out, w.shape[0], w.shape[1], 0, BLOCK_N=bn,
+                                                                  BLOCK_K=bk, num_warps=warps, num_stages=stages)
+                    return out
+                seconds = time_product(launch, weights, x, replays)
+                rows.append({"shape": shape_name, "projection": name, "config": [bn, bk, warps, stages],
+                             "us": round(seconds * 1e6, 2), "step_us": round(seconds * 1e6 * count, 1),
+                             "tb_s": round(n * k * 2 / seconds / 1e12, 3)})
+            del weights
+            torch.cuda.empty_cache()
+    return rows
+
+
+def sweep_table(rows: list[dict]) -> str:
+    """Configurations by their decode step's projection time, summed over the shapes, fastest first."""
+    totals: dict[tuple, dict[str, float]] = {}
+    for r in rows:
+        per_shape = totals.setdefault(tuple(r["config"]), {})
+        per_shape[r["shape"]] = per_shape.get(r["shape"], 0.0) + r["step_us"]
+    shapes = sorted({r["shape"] for r in rows})
+    out = ["| BLOCK_N, BLOCK_K, warps, stages | " + " | ".join(f"{s} step us" for s in shapes) + " |",
+           "|" + " --- |" * (len(shapes) + 1)]
+    for config, per_shape in sorted(totals.items(), key=lambda item: sum(item[1].values())):
+        out.append(f"| {', '.join(map(str, config))} | " + " | ".join(f"{per_shape[s]:.0f}" for s in shapes) + " |")
+    return "\n".join(out)
+
+
 def table(rows: list[dict]) -> str:
     out = ["| shape | projection | tokens | N x K | Triton us | cuBLAS us | Triton TB/s | cuBLAS TB/s |",
            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -91,6 +144,7 @@ def main() -> int:
     p.add_argument("--shapes", nargs="+", default=["qwen2-1.5b", "llama-3-8b"], choices=sorted(SHAPES))
     p.add_argument("--tokens", nargs="+", type=int, default=[1, 2, 4, 8], help="tokens per product (1 to 8)")
     p.add_argument("--replays", type=int, default=50, help="graph replays timed per product")
+    p.add_argument("--sweep", action="store_true", help="the one-token kernel at other configurations")
     p.add_argument("--out", type=Path, help="write the rows as JSON here")
     args = p.parse_args()
     import torch
@@ -98,8 +152,12 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("bench_gemv: needs a CUDA GPU", file=sys.stderr)
         return 2
-    rows = [r for shape in args.shapes for r in measure(shape, args.tokens, args.replays)]
-    print(table(rows))
+    if args.sweep:
+        rows = sweep(args.shapes, args.replays)
+        print(sweep_table(rows))
+    else:
+        rows = [r for shape in args.shapes for r in measure(shape, args.tokens, args.replays)]
+        print(table(rows))
     if args.out:
         from runtime.bench.machine import describe_machine
 

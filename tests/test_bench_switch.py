@@ -69,7 +69,7 @@ def test_switch_smoke_on_cpu(tmp_path):
     assert list(firsts) == ["beside", "after", "restored"]
     for f in (firsts["beside"], firsts["after"]):  # B's engine started by that request: its weights streamed
         assert f["status"] == "ok" and f["model"] == "tiny-0" and f["previous"] == "tiny-1", f
-        assert f["ttft_s"] >= f["total_s"] > 0 and f["stream_s"] > 0 and f["active_ttft_s"] > 0
+        assert f["ttft_s"] >= f["total_s"] >= f["stream_s"] > 0 and f["active_ttft_s"] > 0
         assert f["graphs_restored"] is False and f["kernels_loaded"] >= 0
     restored = firsts["restored"]
     assert restored["status"] == "skipped" and "need a GPU" in restored["reason"] and restored["ttft_s"] is None

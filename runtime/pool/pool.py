@@ -244,7 +244,7 @@ class ModelPool:
         # the KV cache first, the graphs restored or captured beside the weight stream; or the cold order:
         # weights, then the KV cache, then graphs captured
         beside = restorer is not None or self.proactive_kernels
-        kernels_before = loaded_specialisations()
+        kernels_before, began = loaded_specialisations(), time.time()
         if not beside:
             engine.config = dataclasses.replace(engine.config, num_kv_blocks=kv_blocks)
         try:
@@ -260,7 +260,7 @@ class ModelPool:
             m.started = True
             m.fixed_bytes = provider.other_bytes(engine)
             self._headroom = max(self._headroom, activation_bytes(engine))
-        self._kernel_times(engine, report, restorer is not None, beside)
+        self._kernel_times(engine, report, restorer is not None, beside, began)
         report.kernels_loaded = loaded_specialisations() - kernels_before
         report.bytes_loaded = m.resident_bytes
         m.load_bytes_per_s = engine.plan.total_bytes / max(report.stream_s, 1e-9)
@@ -268,12 +268,14 @@ class ModelPool:
         return report
 
     @staticmethod
-    def _kernel_times(engine, report: SwitchReport, restored: bool, beside: bool) -> None:
-        """The first start's weight, graph and kernel seconds, from its timeline."""
-        durations = engine.timeline.durations()
-        report.stream_s = durations.get(stages.WEIGHTS, 0.0)
-        report.graphs_s = durations.get(stages.CUDA_GRAPHS, 0.0)
-        graphs = engine.timeline.get(stages.CUDA_GRAPHS)
+    def _kernel_times(engine, report: SwitchReport, restored: bool, beside: bool, began: float) -> None:
+        """The first start's weight, graph and kernel seconds, from the stages its start recorded (the models
+        of an instance share one timeline: the stages before BEGAN are other models')."""
+        own = [s for s in engine.timeline.stages() if s.start >= began and s.end is not None]
+        weights = next((s for s in reversed(own) if s.name == stages.WEIGHTS), None)
+        graphs = next((s for s in reversed(own) if s.name == stages.CUDA_GRAPHS), None)
+        report.stream_s = round(weights.seconds, 6) if weights else 0.0
+        report.graphs_s = round(graphs.seconds, 6) if graphs else 0.0
         if graphs is None:
             return
         report.graphs_restored = restored
@@ -284,7 +286,6 @@ class ModelPool:
         # captured live: the capture's warm-up forwards load the kernels. Beside the stream, the start waits
         # only for what the capture takes beyond the reads
         report.kernels_s = report.graphs_s
-        weights = engine.timeline.get(stages.WEIGHTS)
         reads = max((t["seconds"] for t in weights.detail.get("tiers", {}).values()), default=0.0) if weights else 0.0
         report.kernels_critical_s = max(0.0, report.graphs_s - reads) if beside else report.graphs_s
 
