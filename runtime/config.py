@@ -218,9 +218,10 @@ class Settings:
         "several models: which retained weights go when the pool is short: cost (reload time weighted by "
         "request rate, per weight group) or lru (whole models, least recently used first)")
     pool_kernels: str = _setting(
-        "POOL_KERNELS", _choice("beside", "after"), "beside",
+        "POOL_KERNELS", _choice("beside", "after"), "after",
         "several models on cuda: a model's first activation without baked graphs loads its kernels (captures "
-        "its decode graphs) beside its weight stream, or after it as a lone model's cold start does")
+        "its decode graphs) after its weight stream, as a lone model's cold start does, or beside it (slower "
+        "on the H100: the module loads wait behind the weight copies)")
     enforce_eager: bool = _setting("ENFORCE_EAGER", _bool, False, "never use CUDA graphs")
     enable_prefix_caching: bool = _setting(
         "ENABLE_PREFIX_CACHING", _bool, True,

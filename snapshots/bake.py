@@ -73,9 +73,9 @@ def bake_materialized_state(settings: Settings, model_dir: Path, pooled: bool = 
         raise CannotBake("ENFORCE_EAGER is set: there are no graphs to materialise")
     from runtime.launch import engine_config
     from snapshots.fingerprint import current_fingerprint
-    from snapshots.materialized import bake_materialized
+    from snapshots.materialized import bake_materialized_apart
 
-    report = bake_materialized(model_dir, engine_config(settings, "cuda"), settings.snapshot_dir,
+    report = bake_materialized_apart(model_dir, engine_config(settings, "cuda"), settings.snapshot_dir,
                                current_fingerprint(settings).as_dict(), pooled)
     if not report.validated:
         first = next(iter(report.problems.items()), (None, ["unknown"]))

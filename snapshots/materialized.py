@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -111,6 +112,36 @@ def bake_materialized(model_dir: Path, config: EngineConfig, snapshot_dir: Path,
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def bake_materialized_apart(model_dir: Path, config: EngineConfig, snapshot_dir: Path,
+                            fingerprint: dict | None = None, pooled: bool = False) -> BakeReport:
+    """`bake_materialized` in a process of its own: faas-build bakes the models of a several-model function
+    one after another, and a capture must find nothing an earlier model's bake left in the process (a
+    Llama-3-8B baked after a Qwen2-1.5B in one process failed its validation on the H100)."""
+    spec = {"model_dir": str(model_dir), "config": asdict(config), "snapshot_dir": str(snapshot_dir),
+            "fingerprint": fingerprint, "pooled": pooled,
+            "log_level": logging.getLevelName(logging.getLogger("thawllm").getEffectiveLevel())}
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+        json.dump(spec, f)
+        f.flush()
+        # its log goes where this process's goes; its report is the last line of its output
+        result = subprocess.run([sys.executable, "-m", "snapshots.materialized", "--bake", f.name],
+                                stdout=subprocess.PIPE, text=True, timeout=3600)
+    if result.returncode != 0:
+        raise MaterializeError(f"the bake's process exited with {result.returncode} (its log is above)")
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    return BakeReport(**{**report, "problems": {int(bs): why for bs, why in report["problems"].items()}})
+
+
+def _bake_from_spec(path: Path) -> BakeReport:
+    spec = json.loads(path.read_text())
+    return bake_materialized(Path(spec["model_dir"]), _engine_config(spec["config"]), Path(spec["snapshot_dir"]),
+                             spec["fingerprint"], spec["pooled"])
+
+
+def _engine_config(fields: dict) -> EngineConfig:
+    return EngineConfig(**{**fields, "cuda_graph_batch_sizes": tuple(fields["cuda_graph_batch_sizes"])})
+
+
 def _validate_in_new_process(directory: Path) -> dict[str, str]:
     result = subprocess.run([sys.executable, "-m", "snapshots.materialized", "--probe", str(directory)],
                             capture_output=True, text=True, timeout=1800)
@@ -174,8 +205,7 @@ def _probe(directory: Path) -> dict[int, str]:
     from snapshots.cudagraph.restore import MaterializedGraphs
 
     spec = json.loads((directory / "engine.json").read_text())
-    config = EngineConfig(**{**spec["config"],
-                             "cuda_graph_batch_sizes": tuple(spec["config"]["cuda_graph_batch_sizes"])})
+    config = _engine_config(spec["config"])
     started = _started_engine(Path(spec["model_dir"]), config, bool(spec.get("pooled", False)),
                               MaterializedGraphs(directory), load_kv_blocks(directory))
     engine = started.engine
@@ -186,9 +216,17 @@ def _probe(directory: Path) -> dict[int, str]:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("--probe", type=Path, required=True)
-    digests = _probe(parser.parse_args().probe)
-    print(json.dumps({str(k): v for k, v in digests.items()}), flush=True)
+    action = parser.add_mutually_exclusive_group(required=True)
+    action.add_argument("--probe", type=Path, help="a baked directory: its restored graphs' output digests")
+    action.add_argument("--bake", type=Path, help="a JSON spec of bake_materialized's arguments: its report")
+    args = parser.parse_args()
+    if args.bake is not None:
+        from runtime.logs import setup_logging
+
+        setup_logging(json.loads(args.bake.read_text())["log_level"])
+        print(json.dumps(asdict(_bake_from_spec(args.bake))), flush=True)
+    else:
+        print(json.dumps({str(k): v for k, v in _probe(args.probe).items()}), flush=True)
     # the answer is out: the interpreter's teardown with an engine's threads still running (a pooled one's
     # among them ended in std::terminate) is not what this process checks
     os._exit(0)

@@ -108,7 +108,8 @@ async def _switch_latency(args, base: dict[str, str], models: list[BenchModel], 
     targets = probe_targets(models)
     beside = targets if "beside" in args.first_kernels else []  # each B's first request, before its probes
     firsts, probes = await _probe_states(
-        args, {**base, "MODEL": model_setting(boot_order(models, targets)), "POOL_EVICTION": "cost"}, prompt,
+        args, {**base, "MODEL": model_setting(boot_order(models, targets)), "POOL_EVICTION": "cost",
+               "POOL_KERNELS": "beside"}, prompt,
         log_dir / "switch-instance.log", [(b, a, others, state) for b, a, others in targets for state in STATES],
         beside)
     device = settings.get("DEVICE", "auto")

@@ -1,8 +1,8 @@
 """`faas-bench switch`'s first activations: B's first request in a several-model instance, with A active. It
 starts B's engine (docs/multi-model.md): B's weights stream in and its kernels are loaded
 
-- `beside` the stream, its decode graphs captured while the weights arrive (the instance's default);
-- `after` it, as a lone model's cold start does (POOL_KERNELS=after: the kernels on the critical path);
+- `beside` the stream, its decode graphs captured while the weights arrive (POOL_KERNELS=beside);
+- `after` it, as a lone model's cold start does (POOL_KERNELS=after, the default);
 - or its graphs `restored` from the pooled materialized profile faas-build bakes (SNAPSHOT_DIR; a GPU only).
 
 Each is timed to B's first token, beside B's next request (B active), with what /health's `first_start`

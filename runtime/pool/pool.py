@@ -79,12 +79,13 @@ class PoolStats:
 
 class ModelPool:
     def __init__(self, device: torch.device, budget_bytes: int, policy: str = "cost",
-                 proactive_kernels: bool = True, capture_graphs: bool = True) -> None:
+                 proactive_kernels: bool = False, capture_graphs: bool = True) -> None:
         """One per device. BUDGET_BYTES: what every model's weights, KV caches and engine buffers on the
         device may take together (device_budget() derives it from the settings). POLICY: cost (Tangram's
         cost model) or lru (whole models, least recently used first: the comparison). PROACTIVE_KERNELS: a
         model's first activation without a baked graph profile captures its CUDA graphs (loading their
-        kernels) while its weights stream; off: after, as a single model's cold start does. CAPTURE_GRAPHS
+        kernels) while its weights stream; off (POOL_KERNELS=after, the default): after, as a single model's
+        cold start does. CAPTURE_GRAPHS
         False: a first activation without a graph profile makes no graphs (faas-build captures and
         materialises them itself, snapshots/materialized.py)."""
         if policy not in POLICIES:
