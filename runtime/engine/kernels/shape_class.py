@@ -10,15 +10,16 @@ size up to 2,048 in one class and up to 4,096 in the next, the rotary up to 16 h
 
 The classes are fixed rather than picked at run time among the kernels already loaded, because a
 materialised CUDA graph names its kernels (snapshots/cudagraph): the kernel a model launches must be the
-one it was baked with, whatever else the process loaded before it. A masked lane costs an instruction, not a
-memory access, so a row kernel run at a larger block than the row is as fast while it is bound by memory.
+one it was baked with, whatever else the process loaded before it. A masked lane costs instructions, not
+memory accesses: with these classes the decode steps are 0.6-2.2% slower than with a kernel per model shape
+(docs/benchmarks.md, "Decode throughput").
 """
 
 from __future__ import annotations
 
 # The smallest class of the norms and the rotary is not the largest common size: one at 4,096 (and 32
-# heads) made Qwen2-1.5B's decode steps 2-3% slower on the H100 (scripts/bench_decode.py, this tree against
-# the one before the classes, same run), for two kernels loaded once per process
+# heads) made Qwen2-1.5B's decode steps 2.7-2.9% slower on the H100 (scripts/bench_decode_two_trees.sh), for
+# two kernels loaded once per process
 ROW_CLASS = 2048  # norms: hidden sizes
 KV_ROW_CLASS = 1024  # the KV write: kv_heads * head_dim
 HEADS_CLASS = 16  # rotary: the larger of the query and KV head counts
