@@ -141,9 +141,12 @@ def test_packed_engine_gives_transformers_greedy_tokens(grouped_model, engine_fa
                                                           for p in batch])]
 
     assert all(len(set(e)) > 3 for e in expected)                          # text, not one token repeated
+    threads = torch.get_num_threads()
     for engine in (packed, plain):
         assert asyncio.run(greedy(engine, prompts[:1])) == expected[:1]
         assert asyncio.run(greedy(engine, prompts[1:])) == expected[1:]
+        # the packed engine's decode steps ran torch's ops on one thread and gave the threads back
+        assert engine.runner.packed_steps == (engine is packed) and torch.get_num_threads() == threads
 
 
 def test_threads_follow_the_cgroup_quota(tmp_path):

@@ -226,7 +226,9 @@ class Engine:
                     self._prepare_graphs(runner, graph_restorer)
                 load.wait()
                 if device.type == "cpu" and self.config.cpu_packed_weights:
-                    weights_stage.detail.update(pack_linears(self.model))
+                    packed = pack_linears(self.model)
+                    weights_stage.detail.update(packed)
+                    runner.packed_steps = packed["packed_layers"] > 0 and packed["float_layers"] == 0
         if not materialized:
             kv_blocks = self._allocate_kv(runner, kv_blocks, releasable_memory)
             if graphs:

@@ -6,6 +6,7 @@ weights -> rope table -> static decode buffers -> KV cache -> graph pool (captur
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from typing import Callable, Protocol
 
@@ -17,6 +18,8 @@ from runtime.engine.attention_metadata import AttentionMetadata
 from runtime.engine.block_manager import BlockManager
 from runtime.engine.decode_inputs import DecodeBuffers, DecodeStaging
 from runtime.engine.engine_config import EngineConfig
+from runtime.engine.cpu.packed import MAX_TOKENS as MAX_PACKED_TOKENS
+from runtime.engine.cpu.threads import ops_on_one_thread
 from runtime.engine.kernels.shape_class import prefill_block_q
 from runtime.engine.layers.rotary import cos_sin_table, inverse_frequencies
 from runtime.engine.model_config import ModelConfig
@@ -68,6 +71,9 @@ class ModelRunner:
         self.dtype = torch_dtype(config.dtype)
         self.allocator = DeviceAllocator(self.device, memory)
         self.max_model_len = max_model_len
+        # on the CPU, every projection packed (runtime/engine/cpu/packed.py): steps of a few tokens then run
+        # torch's ops on one thread, the packed projections on all
+        self.packed_steps = False
         # prefill tiles of the attention kernel's shape class (runtime/engine/kernels/shape_class.py)
         self.prefill_block_q = prefill_block_q(model_config.num_heads // model_config.num_kv_heads)
         self.max_blocks_per_seq = -(-max_model_len // config.block_size)
@@ -319,11 +325,12 @@ class ModelRunner:
         ids_on_device = upload(ids, torch.int64)
         if feed is not None:
             feed(ids_on_device)
-        hidden = self.model(ids_on_device, upload(positions, torch.int64), meta, self.kv_caches, self.cos_sin)
         last = [end - 1 for i, end in enumerate(starts[1:]) if samples is None or samples[i]]
-        if not last:  # only slices short of their prompts' ends: no logits wanted
-            return hidden[:0]
-        return self.model.compute_logits(hidden[upload(last, torch.int64)])
+        with ops_on_one_thread() if self.packed_steps and len(ids) <= MAX_PACKED_TOKENS else nullcontext():
+            hidden = self.model(ids_on_device, upload(positions, torch.int64), meta, self.kv_caches, self.cos_sin)
+            if not last:  # only slices short of their prompts' ends: no logits wanted
+                return hidden[:0]
+            return self.model.compute_logits(hidden[upload(last, torch.int64)])
 
     def _upload(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         # Pageable on purpose: pinning a fresh host tensor per input made the eager 8B decode step 47% slower

@@ -40,9 +40,12 @@ class PackedWeight:
 
 
 class PackedKernels:
-    """The C kernels, loaded with ctypes (which releases the GIL for each call)."""
+    """The C kernels, loaded with ctypes (which releases the GIL for each call). They run on `threads`
+    threads, torch's count when they were loaded (the engine sets it first): a decode step runs torch's own
+    ops on one thread (runtime/engine/cpu/threads.py, `ops_on_one_thread`), not these."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
+        self.threads = torch.get_num_threads()
         # bytes of one group's block: fp16 d and m and 16 bytes of nibble pairs (4), fp16 d and 32 int8 (8)
         self.block_bytes = {bits: lib.thaw_block_bytes(bits) for bits in (4, 8)}
         self._gemv = lib.thaw_packed_gemv
@@ -68,8 +71,7 @@ class PackedKernels:
         x = x.contiguous()
         tokens = x.shape[0]
         y = torch.empty(tokens, w.n)
-        if self._gemv(w.bits, x.data_ptr(), tokens, w.k, w.blocks.data_ptr(), w.n, y.data_ptr(),
-                      torch.get_num_threads()):
+        if self._gemv(w.bits, x.data_ptr(), tokens, w.k, w.blocks.data_ptr(), w.n, y.data_ptr(), self.threads):
             raise ValueError(f"packed projection of {tokens} tokens over a {w.bits}-bit [{w.n}, {w.k}] weight")
         return y if bias is None else y.add_(bias)
 
