@@ -54,9 +54,8 @@ def _own_cgroup() -> str | None:
 @contextmanager
 def ops_on_one_thread() -> Iterator[None]:
     """torch's ops on one thread for the duration: in a decode step of a few tokens each op is so small that a
-    parallel region's fork and join cost more than its work (an RMSNorm of one 576-wide row: 28 us on two
-    threads, 17 us on one, on the 2-core CPU machine). The packed projections, the step's real work, keep
-    their own threads (runtime/engine/cpu/packed.py)."""
+    parallel region's fork and join cost more than its work. The packed projections, the step's real work,
+    keep their own threads (runtime/engine/cpu/packed.py)."""
     threads = torch.get_num_threads()
     if threads == 1:
         yield
