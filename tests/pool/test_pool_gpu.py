@@ -122,8 +122,8 @@ def test_switches_keep_graphs_right_and_stream_only_missing_groups(layouts, proa
 
 
 def test_a_model_of_another_size_in_the_same_shape_classes_loads_no_triton_kernel(layouts, tmp_path, tiny_model):
-    """Model "a" (hidden 1024, 8 query heads per KV head) started first; a model of other sizes (hidden 768,
-    6 per KV head, as Qwen2-1.5B against Llama-3-8B) then starts, prefills and decodes on the kernels "a"
+    """Model "a" (hidden 1024, 8 query heads per KV head) started first; a model of other sizes in the same
+    shape classes (hidden 768, 6 query heads per KV head) then starts, prefills and decodes on the kernels "a"
     loaded: its first start and first request compile or load no Triton kernel, and it answers as alone."""
     from runtime.engine.kernels.loaded import loaded_specialisations
     from runtime.weights.layout import write_layout
