@@ -103,6 +103,14 @@ class Timeline:
                 return stage
         return None
 
+    def latest(self, name: str, since: float = 0.0) -> Stage | None:
+        """The last finished stage of that name that started at or after SINCE (several engines of one
+        instance record into one timeline: a start reads its own stages this way)."""
+        for stage in reversed(self.stages()):
+            if stage.name == name and stage.start >= since and stage.end is not None:
+                return stage
+        return None
+
     def durations(self) -> dict[str, float]:
         """stage name -> seconds, summed when a stage was recorded more than once."""
         out: dict[str, float] = {}

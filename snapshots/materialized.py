@@ -123,17 +123,15 @@ def bake_materialized_apart(model_dir: Path, config: EngineConfig, snapshot_dir:
     with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
         json.dump(spec, f)
         f.flush()
-        # its log goes where this process's goes; its report is the last line of its output
-        result = subprocess.run([sys.executable, "-m", "snapshots.materialized", "--bake", f.name],
-                                stdout=subprocess.PIPE, text=True, timeout=3600)
-    if result.returncode != 0:
-        raise MaterializeError(f"the bake's process exited with {result.returncode} (its log is above)")
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+        report = _in_child("--bake", Path(f.name), 3600, "the bake's process")  # its log goes where ours does
     return BakeReport(**{**report, "problems": {int(bs): why for bs, why in report["problems"].items()}})
 
 
 def _bake_from_spec(path: Path) -> BakeReport:
+    from runtime.logs import setup_logging
+
     spec = json.loads(path.read_text())
+    setup_logging(spec["log_level"])
     return bake_materialized(Path(spec["model_dir"]), _engine_config(spec["config"]), Path(spec["snapshot_dir"]),
                              spec["fingerprint"], spec["pooled"])
 
@@ -143,11 +141,18 @@ def _engine_config(fields: dict) -> EngineConfig:
 
 
 def _validate_in_new_process(directory: Path) -> dict[str, str]:
-    result = subprocess.run([sys.executable, "-m", "snapshots.materialized", "--probe", str(directory)],
-                            capture_output=True, text=True, timeout=1800)
+    return _in_child("--probe", directory, 1800, "validation process", quiet=True)
+
+
+def _in_child(action: str, path: Path, timeout_s: int, what: str, quiet: bool = False) -> dict:
+    """This module run as `python -m snapshots.materialized ACTION PATH`: the JSON its output ends with. QUIET:
+    its log is kept, and its tail goes into the error if it fails; else it goes where this process's goes."""
+    result = subprocess.run([sys.executable, "-m", "snapshots.materialized", action, str(path)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE if quiet else None, text=True,
+                            timeout=timeout_s)
     if result.returncode != 0:
-        tail = "\n".join(result.stderr.strip().splitlines()[-25:])
-        raise MaterializeError(f"validation process failed:\n{tail}")
+        tail = "\n".join(result.stderr.strip().splitlines()[-25:]) if quiet else "its log is above"
+        raise MaterializeError(f"{what} failed:\n{tail}")
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
@@ -221,9 +226,6 @@ if __name__ == "__main__":
     action.add_argument("--bake", type=Path, help="a JSON spec of bake_materialized's arguments: its report")
     args = parser.parse_args()
     if args.bake is not None:
-        from runtime.logs import setup_logging
-
-        setup_logging(json.loads(args.bake.read_text())["log_level"])
         print(json.dumps(asdict(_bake_from_spec(args.bake))), flush=True)
     else:
         print(json.dumps({str(k): v for k, v in _probe(args.probe).items()}), flush=True)

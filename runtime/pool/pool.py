@@ -272,9 +272,8 @@ class ModelPool:
     def _kernel_times(engine, report: SwitchReport, restored: bool, beside: bool, began: float) -> None:
         """The first start's weight, graph and kernel seconds, from the stages its start recorded (the models
         of an instance share one timeline: the stages before BEGAN are other models')."""
-        own = [s for s in engine.timeline.stages() if s.start >= began and s.end is not None]
-        weights = next((s for s in reversed(own) if s.name == stages.WEIGHTS), None)
-        graphs = next((s for s in reversed(own) if s.name == stages.CUDA_GRAPHS), None)
+        weights = engine.timeline.latest(stages.WEIGHTS, since=began)
+        graphs = engine.timeline.latest(stages.CUDA_GRAPHS, since=began)
         report.stream_s = round(weights.seconds, 6) if weights else 0.0
         report.graphs_s = round(graphs.seconds, 6) if graphs else 0.0
         if graphs is None:

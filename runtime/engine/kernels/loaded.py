@@ -4,26 +4,22 @@ already loaded adds none, runtime/engine/kernels/shape_class.py)."""
 
 from __future__ import annotations
 
-import importlib
 import sys
 
 
 def loaded_specialisations() -> int:
-    """Compiled specialisations held by the engine's kernels, over every device (0 without Triton, or before
-    any kernel module was imported)."""
+    """Compiled specialisations held by the engine's kernels, over every device. Imports nothing: a kernel
+    module that was never imported launched nothing (and a CPU start never imports Triton)."""
     from runtime.engine.kernels import KERNEL_MODULES
 
-    try:
-        from triton.runtime.jit import JITFunction
-    except ImportError:
+    jit = sys.modules.get("triton.runtime.jit")
+    if jit is None:
         return 0
     count = 0
-    for name in KERNEL_MODULES:
-        if name not in sys.modules:  # never imported: nothing of it launched
-            continue
-        for value in vars(importlib.import_module(name)).values():
-            if isinstance(value, JITFunction):
-                count += sum(_cache_size(entry) for entry in getattr(value, "device_caches", {}).values())
+    for module in (sys.modules[name] for name in KERNEL_MODULES if name in sys.modules):
+        for value in vars(module).values():
+            if isinstance(value, jit.JITFunction):
+                count += sum(_cache_size(entry) for entry in value.device_caches.values())
     return count
 
 
