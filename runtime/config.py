@@ -27,6 +27,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError("must be an integer >= 0")
+    return value
+
+
 def _optional_positive_int(text: str) -> int | None:
     return None if text in ("", "auto") else _positive_int(text)
 
@@ -226,6 +233,10 @@ class Settings:
     enable_prefix_caching: bool = _setting(
         "ENABLE_PREFIX_CACHING", _bool, True,
         "reuse the KV cache of a prompt's longest prefix computed before (off: every prompt computed whole)")
+    graph_prefill_tokens: int = _setting(
+        "GRAPH_PREFILL_TOKENS", _non_negative_int, 64,
+        "a step with prompt tokens and at most this many tokens in all runs in a decode CUDA graph, a token "
+        "a row (the rest of a prompt after a cached prefix, a short prompt); 0: such steps run eagerly")
     async_scheduling: bool = _setting(
         "ASYNC_SCHEDULING", _bool, True,
         "launch each decode step before reading the last one's tokens (off: one step at a time)")

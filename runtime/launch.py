@@ -39,6 +39,7 @@ def engine_config(settings: Settings, device: str | None = None) -> EngineConfig
         max_num_batched_tokens=settings.max_num_batched_tokens or (2048 if gpu else CPU_STEP_TOKENS),
         gpu_memory_utilization=settings.gpu_memory_utilization, enforce_eager=settings.enforce_eager,
         async_scheduling=settings.async_scheduling, enable_prefix_caching=settings.enable_prefix_caching,
+        graph_prefill_tokens=settings.graph_prefill_tokens,
         cpu_threads=settings.cpu_threads, cpu_packed_weights=settings.cpu_packed_weights)
 
 

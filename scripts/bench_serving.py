@@ -10,7 +10,9 @@ For each model shape (random weights of the real shape, the same in the engine a
    median decode step against the HBM roofline (weight bytes / HBM bandwidth: the least time a step can
    take reading every weight once; KV reads not counted);
 2. prefix: a shared system prompt (2,000 tokens) with short questions, one request at a time: time to
-   first token with prefix caching and without (the same engine, the cache switched off and emptied);
+   first token with prefix caching and without (the same engine, the cache switched off and emptied), and
+   with the cache but the questions' tokens computed eagerly rather than as rows of a decode graph
+   (`cached_eager`: GRAPH_PREFILL_TOKENS 0, docs/engine.md);
 3. mix: decode streams (32) run while long prompts (4,000 tokens) arrive one after another: inter-token
    latency p50/p99 of the streams while the prompts are prefilled, with chunked prefill (the step budget,
    `--budget`) and without (a budget that takes a whole prompt in one step).
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import statistics
 import sys
@@ -162,15 +165,18 @@ def bench_prefix(engine: Engine, args, vocab: int) -> dict:
     system = random_tokens(args.system_tokens, rng, vocab)
     questions = [random_tokens(args.question_tokens, rng, vocab) for _ in range(args.questions + 1)]
     result = {"system_tokens": len(system), "question_tokens": args.question_tokens, "questions": args.questions}
-    for mode, caching in (("cached", True), ("uncached", False)):
+    runner, config = engine.runner, engine.runner.config
+    for mode, caching, rows in (("cached", True, True), ("cached_eager", True, False), ("uncached", False, True)):
         engine.blocks.prefix_caching = caching
         engine.blocks.reset_prefix_cache()
+        runner.config = config if rows else dataclasses.replace(config, graph_prefill_tokens=0)
         time_to_first_token(engine, system + questions[0])  # fills the cache (cached), warms up (uncached)
         runs = [time_to_first_token(engine, system + q) for q in questions[1:]]
         ttft = [t for t, _ in runs]
         result[mode] = {"ttft_ms_p50": statistics.median(ttft) * 1e3, "ttft_ms_max": max(ttft) * 1e3,
                         "cached_tokens": [c for _, c in runs]}
         progress(f"  prefix {mode}: TTFT p50 {result[mode]['ttft_ms_p50']:.1f} ms")
+    runner.config = config
     engine.blocks.prefix_caching = True
     engine.blocks.reset_prefix_cache()
     result["uncached_vs_cached"] = result["uncached"]["ttft_ms_p50"] / result["cached"]["ttft_ms_p50"]
@@ -303,11 +309,13 @@ def print_table(results: list[dict]) -> None:
             print(f"{r['shape']:<12} {t['batch']:>5} {t['engine']['output_tok_s']:>12.0f} {_cell(hf, '.0f', 9)} "
                   f"{_cell(t.get('engine_vs_transformers'), '.2f', 6)} {_cell(step, '.2f', 8)} "
                   f"{_cell(t.get('roofline_fraction'), '.0%', 8)}")
-    print(f"\n{'shape':<12} {'system':>6} {'TTFT cached ms':>15} {'TTFT uncached ms':>17} {'ratio':>6}")
+    print(f"\n{'shape':<12} {'system':>6} {'TTFT cached ms':>15} {'cached, eager ms':>17} {'TTFT uncached ms':>17} "
+          f"{'ratio':>6}")
     for r in results:
         p = r["prefix"]
         print(f"{r['shape']:<12} {p['system_tokens']:>6} {p['cached']['ttft_ms_p50']:>15.1f} "
-              f"{p['uncached']['ttft_ms_p50']:>17.1f} {p['uncached_vs_cached']:>6.1f}")
+              f"{p['cached_eager']['ttft_ms_p50']:>17.1f} {p['uncached']['ttft_ms_p50']:>17.1f} "
+              f"{p['uncached_vs_cached']:>6.1f}")
     print(f"\n{'shape':<12} {'mode':<8} {'budget':>6} {'ITL p50 ms':>10} {'ITL p99 ms':>10} {'p99/p50':>7} "
           f"{'long TTFT ms':>12}")
     for r in results:

@@ -67,3 +67,25 @@ def test_grammar_masks_and_logit_bias_beside_cuda_graphs(tiny_model, engine_fact
     the graph, for the rows that ask for them only."""
     check_constraints_in_mixed_batches(tiny_model("tiny-llama"), engine_factory, device="cuda", dtype="float32",
                                        max_num_seqs=16, gpu_memory_utilization=0.2)
+
+
+def test_prompt_tokens_after_a_cached_prefix_run_in_the_decode_graphs(tiny_model, engine_factory):
+    """Prompts that find a 32-token prefix cached compute their own 6 to 30 tokens one token per row of a
+    decode graph when the step fits one (16 rows here): transformers' greedy tokens."""
+    model_dir = tiny_model("tiny-llama")
+    engine = engine_factory(model_dir, device="cuda", dtype="float32", max_num_seqs=16, max_model_len=256,
+                            gpu_memory_utilization=0.2)
+    runner, in_rows = engine.runner, []
+    replay_rows = runner._forward_graph_rows
+
+    def counted(bs, batch, blocks, pending):
+        in_rows.append(batch.num_tokens)
+        return replay_rows(bs, batch, blocks, pending)
+
+    runner._forward_graph_rows = counted
+    prompts = [PROMPTS[7] + p for p in PROMPTS[:5]]
+    expected = [hf_greedy(model_dir, p, 16)[0] for p in prompts]
+    outs = [asyncio.run(collect(engine, p, max_tokens=16, temperature=0)) for p in prompts]
+    assert [tokens(o) for o in outs] == expected
+    assert [o[-1].cached_tokens for o in outs] == [0, 32, 32, 32, 32]
+    assert in_rows == [len(p) - 32 for p in prompts[1:] if len(p) - 32 <= 16] != []

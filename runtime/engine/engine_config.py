@@ -23,6 +23,7 @@ class EngineConfig:
     async_scheduling: bool = True       # launch each step before reading the last one's tokens
     enable_prefix_caching: bool = True  # reuse the KV blocks of a prefix computed before
     cuda_graph_batch_sizes: tuple[int, ...] = field(default=CUDA_GRAPH_BATCH_SIZES)
+    graph_prefill_tokens: int = 64      # a step with prompt tokens and at most this many runs in a decode graph
     seed: int = 0
     cpu_threads: int | None = None      # torch's threads on cpu (None: the CPUs the cgroup's quota allows)
     cpu_packed_weights: bool = True     # on cpu, weights that are exactly 4/8-bit groups also kept packed
