@@ -46,6 +46,7 @@ from runtime.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from scripts.bench_decode import copy_from  # noqa: E402
 from scripts.model_shapes import SHAPES, write_config_and_tokenizer  # noqa: E402
 
+PARTS = ("throughput", "prefix", "mix")
 #: HBM bandwidth by GPU name (bytes/s); --hbm-tb-s overrides
 HBM_BYTES_PER_S = {"H200": 4.8e12, "H100 PCIe": 2.0e12, "H100": 3.35e12}
 
@@ -268,7 +269,7 @@ def bench_shape(name: str, model_dir: Path | None, args) -> dict:
         hf, model_dir = load_model(name, model_dir, Path(tmp), args.device, dtype)
         workloads = throughput_workloads(args, hf.config.vocab_size)
         hf_rows = {}
-        if not args.no_transformers:
+        if "throughput" in args.parts and not args.no_transformers:
             progress(f"{name}: transformers throughput")
             hf_rows = bench_hf_throughput(hf, workloads, args.device)
             if args.device == "cuda":
@@ -286,12 +287,15 @@ def bench_shape(name: str, model_dir: Path | None, args) -> dict:
         engine_throughput(engine, [random_tokens(64, torch.Generator().manual_seed(0), vocab)] * 2, [8, 8])
         progress(f"{name}: engine throughput")
         result = {"shape": name, "weight_bytes": engine.plan.total_bytes, "hbm_bytes_per_s": hbm_bandwidth(args),
-                  "engine_config": config.as_dict(),
-                  "throughput": bench_throughput(engine, workloads, hf_rows, hbm_bandwidth(args))}
-        progress(f"{name}: prefix caching")
-        result["prefix"] = bench_prefix(engine, args, vocab)
-        progress(f"{name}: long prompts during decodes")
-        result["mix"] = bench_mix(engine, args, vocab)
+                  "engine_config": config.as_dict()}
+        if "throughput" in args.parts:
+            result["throughput"] = bench_throughput(engine, workloads, hf_rows, hbm_bandwidth(args))
+        if "prefix" in args.parts:
+            progress(f"{name}: prefix caching")
+            result["prefix"] = bench_prefix(engine, args, vocab)
+        if "mix" in args.parts:
+            progress(f"{name}: long prompts during decodes")
+            result["mix"] = bench_mix(engine, args, vocab)
         engine.shutdown()
     return result
 
@@ -304,7 +308,7 @@ def print_table(results: list[dict]) -> None:
     print(f"\n{'shape':<12} {'batch':>5} {'engine tok/s':>12} {'hf tok/s':>9} {'vs hf':>6} {'step ms':>8} "
           f"{'roofline':>8}")
     for r in results:
-        for t in r["throughput"]:
+        for t in r.get("throughput", []):
             hf, step = t.get("transformers", {}).get("output_tok_s"), t["engine"]["decode_step_ms"]
             print(f"{r['shape']:<12} {t['batch']:>5} {t['engine']['output_tok_s']:>12.0f} {_cell(hf, '.0f', 9)} "
                   f"{_cell(t.get('engine_vs_transformers'), '.2f', 6)} {_cell(step, '.2f', 8)} "
@@ -312,14 +316,16 @@ def print_table(results: list[dict]) -> None:
     print(f"\n{'shape':<12} {'system':>6} {'TTFT cached ms':>15} {'cached, eager ms':>17} {'TTFT uncached ms':>17} "
           f"{'ratio':>6}")
     for r in results:
-        p = r["prefix"]
+        p = r.get("prefix")
+        if p is None:
+            continue
         print(f"{r['shape']:<12} {p['system_tokens']:>6} {p['cached']['ttft_ms_p50']:>15.1f} "
               f"{p['cached_eager']['ttft_ms_p50']:>17.1f} {p['uncached']['ttft_ms_p50']:>17.1f} "
               f"{p['uncached_vs_cached']:>6.1f}")
     print(f"\n{'shape':<12} {'mode':<8} {'budget':>6} {'ITL p50 ms':>10} {'ITL p99 ms':>10} {'p99/p50':>7} "
           f"{'long TTFT ms':>12}")
     for r in results:
-        for mode in ("chunked", "whole"):
+        for mode in ("chunked", "whole") if "mix" in r else ():
             m = r["mix"][mode]
             print(f"{r['shape']:<12} {mode:<8} {m['budget']:>6} {m['itl_ms_p50']:>10.1f} {m['itl_ms_p99']:>10.1f} "
                   f"{m['p99_vs_p50']:>7.1f} {m['long_ttft_ms_p50']:>12.1f}")
@@ -343,6 +349,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--long-tokens", type=int, default=4000)
     parser.add_argument("--long-prompts", type=int, default=4)
     parser.add_argument("--hbm-tb-s", type=float, help="HBM bandwidth (default: from the GPU's name)")
+    parser.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS, help="which figures (default all)")
     parser.add_argument("--no-transformers", action="store_true")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)

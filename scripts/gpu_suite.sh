@@ -20,7 +20,8 @@
 #                       the image files adds to a restore
 #   auto:SHAPE          faas-bootstrap with RESTORE=auto on the baked snapshots: the path it took and the
 #                       order faas-build measured (its /health), into $RESULTS/auto-h100-SHAPE.json
-#   serving:SHAPE       scripts/bench_serving.py (throughput, prefix caching, chunked prefill)
+#   serving:SHAPE       scripts/bench_serving.py (throughput, prefix caching, chunked prefill; $SERVING_ARGS added)
+#   probe               scripts/probe_cuda_start.py: the driver's load, cuInit, the context, first cuBLAS call
 #   switch              faas-bench switch (several models in one instance; $SWITCH_ARGS added)
 #
 # Results (JSON, PNG, logs, junit) go to $RESULTS (default results/). Each step prints what it runs.
@@ -138,7 +139,9 @@ serving() {
     dir=$(model_dir "$1")
     [ -d "$dir" ] || model "$1"
     say "bench_serving $1"
-    "$PY" scripts/bench_serving.py --model "$dir" --out "$RESULTS/serving-h100-$1.json"
+    # SERVING_ARGS: more bench_serving arguments (--parts prefix mix, --no-transformers, ...)
+    # shellcheck disable=SC2086
+    "$PY" scripts/bench_serving.py --model "$dir" --out "$RESULTS/serving-h100-$1.json" ${SERVING_ARGS:-}
 }
 
 switch() {
@@ -161,6 +164,7 @@ for step in "$@"; do
         verify:*) verify "${step#verify:}" ;;
         serving:*) serving "${step#serving:}" ;;
         switch) switch ;;
+        probe) say "probe_cuda_start"; "$PY" scripts/probe_cuda_start.py --out "$RESULTS/cuda-start-h100.json" ;;
         *) echo "gpu_suite: unknown step $step" >&2; exit 2 ;;
     esac
 done

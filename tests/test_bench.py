@@ -159,6 +159,7 @@ def test_serving_bench_runs_in_its_small_cpu_mode_and_writes_every_figure(tmp_pa
                for t in result["throughput"])
     prefix = result["prefix"]
     assert prefix["cached"]["cached_tokens"] == [160, 160] and prefix["uncached"]["cached_tokens"] == [0, 0]
+    assert prefix["cached_eager"]["cached_tokens"] == [160, 160]
     assert result["mix"]["chunked"]["budget"] == 48 and result["mix"]["whole"]["budget"] == 202
     assert result["mix"]["chunked"]["gaps"] > 0
     assert "TTFT cached ms" in done.stdout and "ITL p99 ms" in done.stdout and "progress" not in done.stdout

@@ -1,0 +1,125 @@
+"""Where a fresh process's first CUDA work goes: the driver's load, `cuInit`, the primary context, and the
+first cuBLAS product and torch kernels a first prefill runs, each in fresh processes, median of --repeat.
+
+A restored process snapshot holds no CUDA state (docs/snapshots.md), so it pays all of this after the
+restore: this probe says which part is which, and whether a context another process holds (a restore
+helper's) makes a new one cheaper.
+
+    python scripts/probe_cuda_start.py --repeat 5 --out cuda-start-h100.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+DRIVER = r"""
+import ctypes, json, sys, time
+if {torch}:
+    import torch
+t0 = time.perf_counter()
+cu = ctypes.CDLL("libcuda.so.1")
+t1 = time.perf_counter()
+assert cu.cuInit(0) == 0
+t2 = time.perf_counter()
+dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+assert cu.cuDeviceGet(ctypes.byref(dev), 0) == 0
+assert cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) == 0
+t3 = time.perf_counter()
+assert cu.cuCtxSetCurrent(ctx) == 0
+ptr = ctypes.c_uint64()
+assert cu.cuMemAlloc_v2(ctypes.byref(ptr), 1 << 20) == 0
+t4 = time.perf_counter()
+print(json.dumps({{"dlopen_s": t1 - t0, "cuinit_s": t2 - t1, "context_s": t3 - t2, "first_alloc_s": t4 - t3}}))
+"""
+
+TORCH = r"""
+import json, time
+import torch
+def timed(fn):
+    start = time.perf_counter(); fn(); torch.cuda.synchronize(); return time.perf_counter() - start
+out = {}
+out["context_s"] = timed(lambda: torch.empty(1, device="cuda"))
+x = torch.randn(161, {hidden}, device="cuda", dtype=torch.bfloat16)
+w = torch.randn({qkv}, {hidden}, device="cuda", dtype=torch.bfloat16)
+w2 = torch.randn({inter}, {hidden}, device="cuda", dtype=torch.bfloat16)
+torch.cuda.synchronize()
+out["first_matmul_s"] = timed(lambda: x @ w.t())
+out["same_matmul_again_s"] = timed(lambda: x @ w.t())
+out["new_shape_matmul_s"] = timed(lambda: x @ w2.t())
+logits = torch.randn(1, 151936, device="cuda", dtype=torch.bfloat16)
+out["first_softmax_s"] = timed(lambda: torch.softmax(logits.float(), -1))
+out["first_argmax_s"] = timed(lambda: logits.argmax(-1))
+print(json.dumps(out))
+"""
+
+HOLD = r"""
+import ctypes, sys, time
+cu = ctypes.CDLL("libcuda.so.1")
+cu.cuInit(0)
+dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+cu.cuDeviceGet(ctypes.byref(dev), 0)
+cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+def run(code: str) -> dict:
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        raise SystemExit(f"probe_cuda_start: a probe failed: {done.stderr.strip()[-400:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def medians(runs: list[dict]) -> dict:
+    return {key: round(statistics.median(r[key] for r in runs), 4) for key in runs[0]}
+
+
+def measure(name: str, code: str, repeat: int) -> dict:
+    runs = []
+    for i in range(repeat):
+        print(f"probe_cuda_start: {name} {i + 1}/{repeat}", file=sys.stderr, flush=True)
+        runs.append(run(code))
+    return {"median": medians(runs), "runs": runs}
+
+
+def beside_a_held_context(repeat: int) -> dict:
+    holder = subprocess.Popen([sys.executable, "-c", HOLD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        return measure("driver beside a held context", DRIVER.format(torch=False), repeat)
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--hidden", type=int, default=1536, help="the first prefill's product: [161, hidden]")
+    parser.add_argument("--qkv", type=int, default=2048)
+    parser.add_argument("--inter", type=int, default=17920)
+    parser.add_argument("--out", type=Path, default=Path("cuda-start.json"))
+    args = parser.parse_args()
+    result = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+        "command": sys.argv,
+        "driver": measure("driver", DRIVER.format(torch=False), args.repeat),
+        "driver_after_torch_import": measure("driver after import torch", DRIVER.format(torch=True), args.repeat),
+        "driver_beside_a_held_context": beside_a_held_context(args.repeat),
+        "torch_first_ops": measure("torch first ops", TORCH.format(hidden=args.hidden, qkv=args.qkv,
+                                                                   inter=args.inter), args.repeat),
+    }
+    for key in ("driver", "driver_after_torch_import", "driver_beside_a_held_context", "torch_first_ops"):
+        print(f"{key:<30} " + "  ".join(f"{k} {v * 1e3:.1f} ms" for k, v in result[key]["median"].items()))
+    args.out.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
