@@ -43,7 +43,7 @@ import json, time
 import torch
 def timed(fn):
     start = time.perf_counter(); fn(); torch.cuda.synchronize(); return time.perf_counter() - start
-out = {}
+out = {{}}
 out["context_s"] = timed(lambda: torch.empty(1, device="cuda"))
 x = torch.randn(161, {hidden}, device="cuda", dtype=torch.bfloat16)
 w = torch.randn({qkv}, {hidden}, device="cuda", dtype=torch.bfloat16)
