@@ -259,6 +259,10 @@ class Settings:
         "snapshots on cuda): auto (a helper process, while CRIU restores the runtime; for a process snapshot "
         "only when they are not in the page cache), 1 (the helper, always) or 0 (the restored runtime, after "
         "its restore)")
+    prime_driver: bool = _setting(
+        "PRIME_DRIVER", _bool, True,
+        "process snapshots on cuda: a short-lived process makes a CUDA context while CRIU restores the runtime, "
+        "so that the restored runtime's cuInit finds the driver warm (0: the runtime initialises CUDA alone)")
     handler: str = _setting(
         "HANDLER", str, "handlers.openai:handler", "module:attribute of the handler to serve")
     served_model_name: str | None = _setting(

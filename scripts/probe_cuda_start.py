@@ -62,9 +62,10 @@ HOLD = r"""
 import ctypes, sys, time
 cu = ctypes.CDLL("libcuda.so.1")
 cu.cuInit(0)
-dev, ctx = ctypes.c_int(), ctypes.c_void_p()
-cu.cuDeviceGet(ctypes.byref(dev), 0)
-cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)
+if {context}:
+    dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+    cu.cuDeviceGet(ctypes.byref(dev), 0)
+    cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev)
 print("held", flush=True)
 sys.stdin.read()
 """
@@ -89,11 +90,13 @@ def measure(name: str, code: str, repeat: int) -> dict:
     return {"median": medians(runs), "runs": runs}
 
 
-def beside_a_held_context(repeat: int) -> dict:
-    holder = subprocess.Popen([sys.executable, "-c", HOLD], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+def beside_another_process(name: str, code: str, context: bool, repeat: int) -> dict:
+    """CODE's figures while another process has run cuInit and (CONTEXT) holds a context on the GPU."""
+    holder = subprocess.Popen([sys.executable, "-c", HOLD.format(context=context)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        return measure("driver beside a held context", DRIVER.format(torch=False), repeat)
+        return measure(name, code, repeat)
     finally:
         holder.stdin.close()
         holder.wait(timeout=60)
@@ -112,12 +115,17 @@ def main() -> None:
         "command": sys.argv,
         "driver": measure("driver", DRIVER.format(torch=False), args.repeat),
         "driver_after_torch_import": measure("driver after import torch", DRIVER.format(torch=True), args.repeat),
-        "driver_beside_a_held_context": beside_a_held_context(args.repeat),
+        "driver_beside_a_held_context": beside_another_process(
+            "driver beside a held context", DRIVER.format(torch=False), True, args.repeat),
+        "driver_after_torch_import_beside_a_held_context": beside_another_process(
+            "driver after import torch beside a held context", DRIVER.format(torch=True), True, args.repeat),
+        "driver_beside_a_process_after_cuinit": beside_another_process(
+            "driver beside a process that ran cuInit only", DRIVER.format(torch=False), False, args.repeat),
         "torch_first_ops": measure("torch first ops", TORCH.format(hidden=args.hidden, qkv=args.qkv,
                                                                    inter=args.inter), args.repeat),
     }
-    for key in ("driver", "driver_after_torch_import", "driver_beside_a_held_context", "torch_first_ops"):
-        print(f"{key:<30} " + "  ".join(f"{k} {v * 1e3:.1f} ms" for k, v in result[key]["median"].items()))
+    for key in (k for k in result if k not in ("date", "command")):
+        print(f"{key:<48} " + "  ".join(f"{k} {v * 1e3:.1f} ms" for k, v in result[key]["median"].items()))
     args.out.write_text(json.dumps(result, indent=2))
 
 

@@ -288,7 +288,7 @@ def _hooks(kind: str, settings: Settings) -> "CriuHooks":
     if kind == "process":
         from snapshots.process import process_hooks
 
-        return process_hooks(settings.weights_during_restore)
+        return process_hooks(settings.weights_during_restore, settings.prime_driver)
     from snapshots.gpu import gpu_hooks
 
     return gpu_hooks(settings.weights_during_restore)  # raises SkipPath without cuda-bindings
