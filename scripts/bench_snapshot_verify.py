@@ -55,14 +55,15 @@ def hash_rounds(directory: Path, rounds: int) -> tuple[int, list[float]]:
     return image.size_bytes, seconds
 
 
-def boot(snapshot_dir: Path, env: dict[str, str], timeout: float = 300.0) -> dict:
+def boot(snapshot_dir: Path, env: dict[str, str], timeout: float = 300.0, stderr=None) -> dict:
+    """Start faas-bootstrap from SNAPSHOT_DIR, return its /health once ready (STDERR: a file to keep its log)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     paths = [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]  # keep where the packages are
     env = os.environ | env | {"SNAPSHOT_DIR": str(snapshot_dir), "PORT": str(port), "HOST": "127.0.0.1",
                               "PYTHONPATH": os.pathsep.join(paths)}
-    log = tempfile.TemporaryFile(mode="w+")
+    log = stderr or tempfile.TemporaryFile(mode="w+")
     process = subprocess.Popen([sys.executable, "-m", "runtime.bootstrap"], cwd=REPO, env=env,
                                stdout=subprocess.DEVNULL, stderr=log)
     try:
@@ -83,7 +84,8 @@ def boot(snapshot_dir: Path, env: dict[str, str], timeout: float = 300.0) -> dic
     finally:
         process.terminate()
         process.wait(60)
-        log.close()
+        if stderr is None:
+            log.close()
 
 
 def added_by_check(health: dict, kind: str) -> dict:

@@ -12,12 +12,11 @@ process answers "ok" once it has taken over.
 from __future__ import annotations
 
 import array
+import json
 import os
 import socket
 import time
 from dataclasses import asdict, dataclass, field
-
-import orjson
 
 ACK = b"ok"
 _MAX_MESSAGE = 1 << 20
@@ -63,7 +62,7 @@ def receive(listener: socket.socket) -> tuple[Handoff, socket.socket, socket.soc
     for level, kind, data in ancillary:
         if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
             fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
-    handoff = Handoff(**orjson.loads(message))
+    handoff = Handoff(**json.loads(message))
     expected = 3 if handoff.weights_channel else 2
     if len(fds) != expected:
         raise HandoffError(f"expected {expected} descriptors (stdout, stderr, weights channel), got {len(fds)}")
@@ -97,7 +96,7 @@ def send(snapshot_id: str, handoff: Handoff, timeout: float, channel: socket.soc
                 time.sleep(0.005)
         sock.settimeout(max(0.1, deadline - time.monotonic()))
         fds = [1, 2, channel.fileno()] if handoff.weights_channel else [1, 2]
-        sock.sendmsg([orjson.dumps(asdict(handoff))],
+        sock.sendmsg([json.dumps(asdict(handoff)).encode()],
                      [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
         try:
             answer = sock.recv(len(ACK))

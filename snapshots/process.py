@@ -191,6 +191,7 @@ def thaw(criu: Criu, directory: Path, image: SnapshotImage, message: handoff.Han
         helper = hooks.start_restore_helper(image, not message.verify)
     handed_over = False
     try:
+        message.restore_detail["before_criu_s"] = round(time.time() - message.restore_started, 4)
         try:
             pid, restore_s = checkpoint.restore(criu, directory, hooks.criu_options)
         except SnapshotError:

@@ -77,11 +77,12 @@ def take_over(settings: Settings, argv: list[str]) -> int | None:
             _skipped[kind] = f"unusable: {type(exc).__name__}: {exc}"
             continue
         directory = settings.snapshot_dir / kind
+        # imported before the hashing threads start: an import holds the GIL they wait for, and they for it
+        from snapshots.process import boot_handoff, thaw
+
         # the image files are hashed on threads while CRIU restores; the verdict comes before the hand-over
         verification = image.start_verify(directory)
         try:
-            from snapshots.process import boot_handoff, thaw
-
             pid, _ = thaw(criu, directory, image, boot_handoff(kind, argv, _skipped), hooks, verification)
         except DigestMismatch as exc:  # undone by thaw, like any failure; the reason is the file
             log.warning("restore path %s refused, starting fresh: %s", kind, exc)
@@ -276,8 +277,9 @@ def _restored(kind: str, timeline: Timeline) -> thawed.Thawed:
     if why is not None:
         raise SkipPath(why)
     current = thawed.current
+    # bootstrap_s: the bootstrap's second run, inside the restored process, from the hand-over to this path
     timeline.record(stages.RESTORE, current.handoff.restore_started, current.taken_over_at, snapshot=kind,
-                    **current.handoff.restore_detail)
+                    **current.handoff.restore_detail, bootstrap_s=round(time.time() - current.taken_over_at, 4))
     if current.handoff.verify_span:  # the image files' check, beside the restore and before the hand-over
         started, ended, nbytes = current.handoff.verify_span
         timeline.record(stages.SNAPSHOT_VERIFY, started, ended, snapshot=kind, bytes=int(nbytes))

@@ -98,6 +98,14 @@ def test_timeline_is_measured_from_the_new_spawn(process_snapshot, tiny_model_di
         restore_row = next(line for line in table.splitlines() if line.strip().startswith("restore"))
         start = float(restore_row.split()[1])
         assert 0 <= start < 10  # seconds after the bootstrap's spawn, not after the bake
+        # the restore stage says where its time went: before criu, criu, then the bootstrap's second run in the
+        # restored process, which ends where the engine's device phase begins
+        stages = {s["stage"]: s for s in health(server)["stages"]}
+        restore = stages["restore"]
+        parts = restore["detail"]
+        assert 0 <= parts["before_criu_s"] and 0 < parts["criu_s"]
+        assert parts["before_criu_s"] + parts["criu_s"] <= restore["seconds"]
+        assert 0 < parts["bootstrap_s"] <= stages["cuda_init"]["start_s"] - restore["end_s"] + 0.001
     finally:
         server.stop()
 
