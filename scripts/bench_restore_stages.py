@@ -9,7 +9,7 @@ machine), or takes one from `--snapshot-dir`, then boots `faas-bootstrap` from i
 - `before_criu_s`: from there to `criu restore` exec'd (a gpu or weights helper started first, if any)
 - `criu_s`: criu restore itself
 - `handoff_s`: criu done to the restored process having taken over (the digests' verdict waited for, the
-  message sent and taken)
+  message sent and taken); `verify_after_criu_s`: how much of it was the wait for the digests' verdict
 - `bootstrap_s`: the bootstrap's second run in the restored process, up to its restore path (settings,
   logging, app, listening)
 - `to_device_phase_s` (CPU, or a GPU context not made ahead): the hand-over to the engine's device phase
@@ -43,8 +43,8 @@ sys.path.insert(0, str(REPO))
 
 from bench_snapshot_verify import EMBEDDED_ENV, boot  # noqa: E402  (scripts/ is this script's folder)
 
-STAGE_KEYS = ("spawn_to_restore_s", "before_criu_s", "criu_s", "handoff_s", "bootstrap_s", "to_device_phase_s",
-              "spawn_to_ready_s")
+STAGE_KEYS = ("spawn_to_restore_s", "before_criu_s", "criu_s", "handoff_s", "verify_after_criu_s", "bootstrap_s",
+              "to_device_phase_s", "spawn_to_ready_s")
 
 
 def settings_env(model: str | None, device: str, cache: Path) -> dict[str, str]:
@@ -78,6 +78,10 @@ def stages_of(health: dict) -> dict[str, float]:
     times = {"spawn_to_restore_s": restore["start_s"], "before_criu_s": before, "criu_s": detail["criu_s"],
              "handoff_s": round(handoff, 4), "bootstrap_s": round(bootstrap, 4),
              "spawn_to_ready_s": stages["ready"]["end_s"]}
+    verify = next(s for s in health["stages"] if s["stage"] == "snapshot_verify"
+                  and s["detail"]["snapshot"] == "process")  # the image's check, not the materialized state's
+    restored_at = restore["start_s"] + before + detail["criu_s"] + detail.get("cuda_s", 0.0)
+    times["verify_after_criu_s"] = round(max(0.0, verify["end_s"] - restored_at), 4)
     if not stages["cuda_init"].get("detail", {}).get("ahead"):  # a context made ahead starts at the hand-over
         times["to_device_phase_s"] = round(stages["cuda_init"]["start_s"] - restore["end_s"], 4)
     return times

@@ -18,7 +18,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -55,6 +54,8 @@ def freeze_runtime(kind: str, model_dir: Path | None, environ: dict[str, str], w
                    pid_namespace: bool = True, timeout: float = 1800.0) -> Frozen:
     """Start `snapshots.frozen` (as the init of a new pid namespace); return once it is parked. MODEL_DIR
     None: the several models MODEL (in ENVIRON) names."""
+    import uuid  # the bake's alone: a restore does not pay for it
+
     snapshot_id = uuid.uuid4().hex[:16]
     log_path = workdir / f"bake-{kind}.log"
     read_end, write_end = os.pipe()

@@ -77,12 +77,11 @@ def take_over(settings: Settings, argv: list[str]) -> int | None:
             _skipped[kind] = f"unusable: {type(exc).__name__}: {exc}"
             continue
         directory = settings.snapshot_dir / kind
-        # imported before the hashing threads start: an import holds the GIL they wait for, and they for it
-        from snapshots.process import boot_handoff, thaw
-
         # the image files are hashed on threads while CRIU restores; the verdict comes before the hand-over
         verification = image.start_verify(directory)
         try:
+            from snapshots.process import boot_handoff, thaw
+
             pid, _ = thaw(criu, directory, image, boot_handoff(kind, argv, _skipped), hooks, verification)
         except DigestMismatch as exc:  # undone by thaw, like any failure; the reason is the file
             log.warning("restore path %s refused, starting fresh: %s", kind, exc)
