@@ -48,9 +48,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # A CRIU snapshot that fits is restored as a child, before listening: it listens and serves, and
         # this process supervises it (with several models, the process snapshot of every model's engine).
         # Inside the restored process this returns None and main goes on.
-        # No collections while the imports and checks race to criu (5-8 ms of the way there on the CPU
-        # machine): they make no cycles worth collecting. A start without a restore gets the collector back;
-        # a supervising bootstrap keeps it off, and the restored runtime has its own.
+        # No collections while the imports and checks race to criu (they took 5-8 ms of the way there on the
+        # CPU machine). A start without a restore gets the collector back; a supervising bootstrap keeps it
+        # off (it allocates next to nothing), and the restored runtime has its own.
         gc.disable()
         try:
             from snapshots.restore import take_over
