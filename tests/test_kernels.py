@@ -204,3 +204,47 @@ def test_kv_store_kernel_writes_each_token_into_its_slot():
     store_kv(k.to(DEVICE), v.to(DEVICE), on[0], on[1], slots.to(DEVICE))
     assert torch.equal(on[0].cpu(), caches[0]) and torch.equal(on[1].cpu(), caches[1])
     assert caches[0].abs().sum() > 0 and caches[0][3:5].abs().sum() == 0  # blocks 3, 4: no slot there
+
+
+def gate_up_and_weight(tokens, k, bias, dtype, seed=6):
+    g = torch.Generator().manual_seed(seed)
+    gate_up = torch.randn(tokens, 2 * k, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(48, k, generator=g) / k ** 0.5).to(DEVICE, dtype)
+    return gate_up, w, (torch.randn(48, generator=g).to(DEVICE, dtype) if bias else None)
+
+
+# bfloat16 at 2 to 8 tokens on a GPU only: Triton's interpreter does not emulate a bfloat16 tl.dot
+@pytest.mark.parametrize("tokens,k,bias,dtype", [
+    (1, 96, False, torch.float32), (1, 1040, True, torch.float16), (1, 1040, False, torch.bfloat16),
+    (2, 96, True, torch.float16), (5, 1040, False, torch.float16), (8, 512, True, torch.float16),
+] + ([(3, 1040, False, torch.bfloat16), (8, 96, True, torch.bfloat16)] if DEVICE == "cuda" else []))
+def test_gated_projection_gives_the_bits_of_the_gate_then_the_projection(tokens, k, bias, dtype):
+    from runtime.engine.kernels.activation import silu_and_mul
+    from runtime.engine.kernels.gemv import fits, gemv
+
+    gate_up, w, b = gate_up_and_weight(tokens, k, bias, dtype)
+    assert fits(gate_up, w, b, None, gated=True)
+    got = gemv(gate_up, w, b, gated=True)
+    assert torch.equal(got, gemv(silu_and_mul(gate_up), w, b))
+    gate, up = gate_up.float().cpu().chunk(2, dim=-1)
+    expected = F.linear(F.silu(gate) * up, w.float().cpu(), None if b is None else b.float().cpu())
+    assert (got.float().cpu() - expected).abs().max() < (1e-4 if dtype == torch.float32 else 0.05)
+
+
+def test_the_mlp_computes_its_gate_in_the_down_projection_only_where_the_few_token_kernels_fit(monkeypatch):
+    from runtime.engine.kernels import gemv
+    from runtime.engine.layers.activation import silu_and_mul
+    from runtime.engine.layers.linear import Linear
+
+    monkeypatch.setattr(dispatch, "kernels_on_cpu", True)
+    down = Linear(96, 48)
+    gate_up, down.weight.data, _ = gate_up_and_weight(9, 96, False, torch.float16, seed=7)
+    for tokens in (1, 3, 9):  # 9: more than the few-token kernels take, the gate and cuBLAS as before
+        x = gate_up[:tokens]
+        assert gemv.fits(x, down.weight, None, None, gated=True) == (tokens <= gemv.MAX_FEW_ROWS)
+        assert torch.equal(down.gated(x), down(silu_and_mul(x))), tokens  # the gate's kernel, then the product
+    unaligned = torch.randn(1, 2 * 96 + 1).to(DEVICE)[:, 1:]
+    down.weight.data = down.weight.data.float()
+    assert not gemv.fits(unaligned, down.weight, None, None, gated=True)
+    gate, up = unaligned.cpu().chunk(2, dim=-1)
+    assert torch.allclose(down.gated(unaligned).cpu(), F.linear(F.silu(gate) * up, down.weight.cpu()), atol=1e-5)

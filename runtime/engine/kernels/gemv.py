@@ -10,8 +10,14 @@ and the tokens padded to 16 rows, on the tensor cores; still one pass over W. It
 builds before ready: cuBLAS's first call in a process costs tens of milliseconds, and its kernels one module
 load each (docs/snapshots.md).
 
+The down projection of a SwiGLU MLP has a gated twin of each kernel (`_gated_gemv_kernel`,
+`_gated_few_rows_kernel`): its input is the gate_up projection's output, and the gate silu(gate) * up is
+computed while the input is read, with the bits of the gate's own kernel (runtime/engine/kernels/activation.py).
+A decode step then launches one kernel fewer per layer; inside a CUDA graph each launch costs its run time
+and a gap before the next starts.
+
 One configuration per kernel serves every shape, and the bias and the number of tokens are runtime
-arguments, so a model's products are two compiled specialisations, one per kernel: a materialised CUDA
+arguments, so a model's products are four compiled specialisations, one per kernel: a materialised CUDA
 graph finds its kernels by name (snapshots/cudagraph), and two specialisations of one Triton kernel would
 share a name. `fits` keeps it that way, sending anything else (an unaligned view, a dimension not a
 multiple of 16, more than eight tokens) to cuBLAS.
@@ -23,12 +29,27 @@ import torch
 import triton
 import triton.language as tl
 
+from runtime.engine.kernels.activation import swiglu
+
 BLOCK_N, BLOCK_K = 8, 1024
 ALIGN = 16  # bytes; Triton specialises pointers (and sizes) on divisibility by 16
 
 
-@triton.jit(do_not_specialize=["has_bias"])
-def _gemv_kernel(w_ptr, x_ptr, bias_ptr, y_ptr, N, K, has_bias, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+@triton.jit
+def _input_tile(x_ptr, tokens, cols, mask, K, GATED: tl.constexpr):
+    """The product's input at (tokens, cols): x [M, K] itself, or, GATED, the SwiGLU gate of the gate_up
+    projection's output x [M, 2K], computed as the gate's own kernel computes it."""
+    if GATED:
+        gate = x_ptr + tokens * (2 * K) + cols
+        tile = swiglu(tl.load(gate, mask=mask, other=0.0), tl.load(gate + K, mask=mask, other=0.0))
+    else:
+        tile = tl.load(x_ptr + tokens * K + cols, mask=mask, other=0.0)
+    return tile
+
+
+@triton.jit
+def _one_row(w_ptr, x_ptr, bias_ptr, y_ptr, N, K, has_bias, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             GATED: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_valid = rows < N
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -37,16 +58,16 @@ def _gemv_kernel(w_ptr, x_ptr, bias_ptr, y_ptr, N, K, has_bias, BLOCK_N: tl.cons
         col_valid = cols < K
         w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=row_valid[:, None] & col_valid[None, :],
                     other=0.0)
-        x = tl.load(x_ptr + cols, mask=col_valid, other=0.0)
+        x = _input_tile(x_ptr, 0, cols, col_valid, K, GATED)
         acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
     if has_bias != 0:
         acc += tl.load(bias_ptr + rows, mask=row_valid, other=0.0).to(tl.float32)
     tl.store(y_ptr + rows, acc.to(y_ptr.dtype.element_ty), mask=row_valid)
 
 
-@triton.jit(do_not_specialize=["M", "has_bias"])
-def _few_rows_kernel(w_ptr, x_ptr, bias_ptr, y_ptr, M, N, K, has_bias, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
+@triton.jit
+def _few_rows(w_ptr, x_ptr, bias_ptr, y_ptr, M, N, K, has_bias, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, GATED: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     tokens = tl.arange(0, BLOCK_M)
     row_valid, token_valid = rows < N, tokens < M
@@ -56,8 +77,7 @@ def _few_rows_kernel(w_ptr, x_ptr, bias_ptr, y_ptr, M, N, K, has_bias, BLOCK_M: 
         col_valid = cols < K
         w = tl.load(w_ptr + rows[None, :] * K + cols[:, None], mask=row_valid[None, :] & col_valid[:, None],
                     other=0.0)  # [BLOCK_K, BLOCK_N]: W's rows as columns
-        x = tl.load(x_ptr + tokens[:, None] * K + cols[None, :], mask=token_valid[:, None] & col_valid[None, :],
-                    other=0.0)
+        x = _input_tile(x_ptr, tokens[:, None], cols[None, :], token_valid[:, None] & col_valid[None, :], K, GATED)
         acc = tl.dot(x, w, acc)
     if has_bias != 0:
         acc += tl.load(bias_ptr + rows, mask=row_valid, other=0.0).to(tl.float32)[None, :]
@@ -65,39 +85,69 @@ def _few_rows_kernel(w_ptr, x_ptr, bias_ptr, y_ptr, M, N, K, has_bias, BLOCK_M: 
              mask=token_valid[:, None] & row_valid[None, :])
 
 
+# Four kernels over two bodies: the gated ones are kernels of their own, with their own names, for the
+# reason above (snapshots/cudagraph finds a kernel by name)
+@triton.jit(do_not_specialize=["has_bias"])
+def _gemv_kernel(w_ptr, x_ptr, bias_ptr, y_ptr, N, K, has_bias, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    _one_row(w_ptr, x_ptr, bias_ptr, y_ptr, N, K, has_bias, BLOCK_N, BLOCK_K, False)
+
+
+@triton.jit(do_not_specialize=["has_bias"])
+def _gated_gemv_kernel(w_ptr, x_ptr, bias_ptr, y_ptr, N, K, has_bias, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
+    _one_row(w_ptr, x_ptr, bias_ptr, y_ptr, N, K, has_bias, BLOCK_N, BLOCK_K, True)
+
+
+@triton.jit(do_not_specialize=["M", "has_bias"])
+def _few_rows_kernel(w_ptr, x_ptr, bias_ptr, y_ptr, M, N, K, has_bias, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+    _few_rows(w_ptr, x_ptr, bias_ptr, y_ptr, M, N, K, has_bias, BLOCK_M, BLOCK_N, BLOCK_K, False)
+
+
+@triton.jit(do_not_specialize=["M", "has_bias"])
+def _gated_few_rows_kernel(w_ptr, x_ptr, bias_ptr, y_ptr, M, N, K, has_bias, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    _few_rows(w_ptr, x_ptr, bias_ptr, y_ptr, M, N, K, has_bias, BLOCK_M, BLOCK_N, BLOCK_K, True)
+
+
 MAX_FEW_ROWS = 8
 FEW_BLOCK_M, FEW_BLOCK_N, FEW_BLOCK_K = 16, 16, 512  # 16: the tensor cores' smallest tile
 
 
-def fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None) -> bool:
+def fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None,
+         gated: bool = False) -> bool:
     """Whether this product is one to eight tokens' and lands in the single specialisation its kernel is used
-    at. Two to eight tokens take 16-bit weights only: on float32 the tensor cores would round to TF32."""
+    at. Two to eight tokens take 16-bit weights only: on float32 the tensor cores would round to TF32.
+    `gated`: x is a gate_up projection's output, twice the weight's input wide (see `gemv`)."""
     if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_FEW_ROWS or not x.is_contiguous() or not weight.is_contiguous():
         return False
     if x.shape[0] > 1 and weight.dtype not in (torch.bfloat16, torch.float16):
         return False
     n, k = weight.shape
     tensors = [x, weight] + [t for t in (bias, out) if t is not None]
-    return (n % ALIGN == 0 and k % ALIGN == 0 and weight.dtype == x.dtype
+    return (n % ALIGN == 0 and k % ALIGN == 0 and weight.dtype == x.dtype and x.shape[1] == (2 * k if gated else k)
             and (out is None or (out.dtype == x.dtype and out.is_contiguous()))
             and all(t.data_ptr() % ALIGN == 0 for t in tensors))
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         out: torch.Tensor | None = None) -> torch.Tensor:
+         out: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
     """x: [M, K] (M 1 to 8); weight: [N, K]; bias: [N] or None. Returns [M, N] in x's dtype (into `out` if
-    given)."""
+    given). `gated`: x is [M, 2K], a gate_up projection's output, and the product's input is its SwiGLU gate
+    silu(x[:, :K]) * x[:, K:], computed on the fly with the bits of runtime/engine/kernels/activation.py's
+    kernel: one launch instead of two, and the gate never goes through memory."""
     m = x.shape[0]
     n, k = weight.shape
     out = torch.empty((m, n), dtype=x.dtype, device=x.device) if out is None else out
     if m > 1:
-        _few_rows_kernel[(triton.cdiv(n, FEW_BLOCK_N),)](weight, x, weight if bias is None else bias, out, m, n, k,
-                                                       0 if bias is None else 1, BLOCK_M=FEW_BLOCK_M,
-                                                       BLOCK_N=FEW_BLOCK_N, BLOCK_K=FEW_BLOCK_K, num_warps=4,
-                                                       num_stages=3)
+        few_rows = _gated_few_rows_kernel if gated else _few_rows_kernel
+        few_rows[(triton.cdiv(n, FEW_BLOCK_N),)](weight, x, weight if bias is None else bias, out, m, n, k,
+                                                 0 if bias is None else 1, BLOCK_M=FEW_BLOCK_M, BLOCK_N=FEW_BLOCK_N,
+                                                 BLOCK_K=FEW_BLOCK_K, num_warps=4, num_stages=3)
         return out
     # without a bias the weight stands in for its pointer: never read, and aligned like the real one
-    _gemv_kernel[(triton.cdiv(n, BLOCK_N),)](weight, x, weight if bias is None else bias, out, n, k,
-                                             0 if bias is None else 1, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                                             num_warps=8, num_stages=3)
+    one_row = _gated_gemv_kernel if gated else _gemv_kernel
+    one_row[(triton.cdiv(n, BLOCK_N),)](weight, x, weight if bias is None else bias, out, n, k,
+                                        0 if bias is None else 1, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=8,
+                                        num_stages=3)
     return out

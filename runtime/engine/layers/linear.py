@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.engine.cpu.packed import MAX_TOKENS, PackedWeight, packed_kernels
+from runtime.engine.layers.activation import silu_and_mul
 from runtime.engine.layers.dispatch import use_kernels
 
 
@@ -27,6 +28,16 @@ class Linear(nn.Module):
         if self.packed is not None and x.shape[0] <= MAX_TOKENS:
             return packed_kernels().gemv(x, self.packed, self.bias)
         return linear(x, self.weight, self.bias)
+
+    def gated(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """self(silu_and_mul(gate_up)), the down projection of a SwiGLU MLP. One to eight tokens on cuda
+        compute the gate inside the product (runtime/engine/kernels/gemv.py): one launch fewer per layer."""
+        if use_kernels(gate_up):
+            from runtime.engine.kernels.gemv import fits, gemv
+
+            if fits(gate_up, self.weight, self.bias, None, gated=True):
+                return gemv(gate_up, self.weight, self.bias, gated=True)
+        return self(silu_and_mul(gate_up))
 
 
 def pack_linears(model: nn.Module) -> dict[str, int]:

@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 from runtime.engine.attention_metadata import AttentionMetadata
-from runtime.engine.layers.activation import silu_and_mul
 from runtime.engine.layers.attention import paged_attention, store_kv
 from runtime.engine.layers.dispatch import use_kernels
 from runtime.engine.layers.linear import Embedding, Linear, linear
@@ -58,7 +57,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(c.intermediate_size, c.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj.gated(self.gate_up_proj(x))
 
 
 class DecoderLayer(nn.Module):
