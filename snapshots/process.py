@@ -28,7 +28,6 @@ from snapshots.integrity import HASH, Verification, digest_files
 
 if TYPE_CHECKING:
     from snapshots.cuda_checkpoint import RestoreHelper
-    from snapshots.driver_primer import DriverPrimer
 
 log = get_logger("snapshots.process")
 
@@ -64,27 +63,19 @@ def bake_process_snapshot(settings: Settings, model_dir: Path | None, snapshot_d
 CACHED_ENOUGH = 0.95
 
 
-def process_hooks(weights_during_restore: str, prime_driver: bool = True) -> CriuHooks:
+def process_hooks(weights_during_restore: str) -> CriuHooks:
     """At boot, a process snapshot of a CUDA engine gets its weights from a helper that streams them while
     CRIU restores (WEIGHTS_DURING_RESTORE; snapshots/weights_during_restore.py): with `auto`, when they are not
     in the page cache. On the H100 machine, from cold disk, the helper read them at the disk's full rate from
     0.7 s after spawn, while the restored runtime's own CUDA context took 1.2-3.3 s to make (its libraries read
     from disk too); from the page cache, the restored runtime loaded them itself 0.3 s sooner: the helper's CUDA
     context takes as long to make as the runtime's, and the copy from the page cache is not what waits.
-    Several models: no helper (their weights go into pool memory, mapped only once the pool exists).
-    PRIME_DRIVER: where no helper streams the weights, a primer makes a CUDA context during the restore, which
-    makes the restored runtime's cuInit short (snapshots/driver_primer.py)."""
+    Several models: no helper (their weights go into pool memory, mapped only once the pool exists)."""
 
-    def start_helper(image: SnapshotImage, boot: bool) -> "RestoreHelper | DriverPrimer | None":
-        device = image.engine_device()
-        if not boot or device.split(":")[0] != "cuda":
+    def start_helper(image: SnapshotImage, boot: bool) -> "RestoreHelper | None":
+        if not boot or image.engine_device().split(":")[0] != "cuda":
             return None
-        helper = _weights_helper(image, weights_during_restore)
-        if helper is None and prime_driver:
-            from snapshots.driver_primer import DriverPrimer, device_index
-
-            return DriverPrimer(device_index(device))
-        return helper
+        return _weights_helper(image, weights_during_restore)
 
     return CriuHooks(start_restore_helper=start_helper)
 

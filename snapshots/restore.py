@@ -55,6 +55,9 @@ def take_over(settings: Settings, argv: list[str]) -> int | None:
     if thawed.current is not None:
         return None  # this is the restored process: the engine is in thawed.current
     _skipped.clear()
+    from snapshots.driver_primer import start_primer
+
+    start_primer(settings)
     # several models: each model's materialized state is in SNAPSHOT_DIR/name, used beside a process restore
     # or without one (runtime/multi_model.py); no order is measured for them
     several = len(settings.models) > 1
@@ -289,7 +292,7 @@ def _hooks(kind: str, settings: Settings) -> "CriuHooks":
     if kind == "process":
         from snapshots.process import process_hooks
 
-        return process_hooks(settings.weights_during_restore, settings.prime_driver)
+        return process_hooks(settings.weights_during_restore)
     from snapshots.gpu import gpu_hooks
 
     return gpu_hooks(settings.weights_during_restore)  # raises SkipPath without cuda-bindings

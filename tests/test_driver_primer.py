@@ -1,24 +1,30 @@
-"""The driver primer a process restore on a GPU starts beside CRIU (snapshots/driver_primer.py)."""
+"""The driver primer a bootstrap starts before restoring a snapshot onto a GPU (snapshots/driver_primer.py)."""
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from snapshots.driver_primer import device_index
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def test_the_gpu_index_comes_from_the_engine_device():
-    assert [device_index(d) for d in ("cuda", "cuda:0", "cuda:3")] == [0, 0, 3]
+from runtime.config import Settings
+from snapshots.driver_primer import ROOT, wanted
 
 
-def test_a_primer_that_cannot_make_a_context_says_why_and_ends_at_once():
-    done = subprocess.run([sys.executable, "-m", "snapshots.driver_primer", "0"], cwd=REPO, capture_output=True,
-                          text=True, timeout=60, env={"PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": ""})
+def test_a_primer_that_cannot_make_a_context_says_why_and_ends_at_once(tmp_path):
+    code = f"import sys; sys.path.insert(0, {ROOT!r}); from snapshots.driver_primer import main; main()"
+    done = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=60, env={"CUDA_VISIBLE_DEVICES": ""})
     if done.returncode == 0:
         pytest.skip("a GPU driver made a context here")
     assert done.returncode == 1 and done.stderr.startswith("driver primer: ")
 
+
+@pytest.mark.parametrize("env, primed", [
+    ({}, True), ({"DEVICE": "cuda", "RESTORE": "process"}, True),
+    ({"DEVICE": "cpu"}, False), ({"PRIME_DRIVER": "0"}, False), ({"RESTORE": "gpu"}, False),
+    ({"RESTORE": "cold"}, False), ({"SNAPSHOT_DIR": ""}, False)])
+def test_a_primer_only_where_a_process_snapshot_may_be_restored_onto_a_gpu(env, primed, tmp_path, monkeypatch):
+    monkeypatch.setenv("MODEL", str(tmp_path))
+    monkeypatch.setenv("SNAPSHOT_DIR", str(tmp_path))
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert wanted(Settings.from_env()) is primed
