@@ -31,6 +31,7 @@ import collections
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -126,6 +127,7 @@ def image_memory(env: dict[str, str], model_dir: Path) -> dict[str, float]:
         try:
             smaps = Path(f"/proc/{frozen.pid}/smaps").read_text()
         finally:
+            os.kill(frozen.pid, signal.SIGKILL)  # in a pid namespace, its init: `unshare` alone would leave it
             frozen.wrapper.kill()
             frozen.wrapper.wait()
     return memory_by_kind(smaps)
