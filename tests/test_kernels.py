@@ -70,10 +70,9 @@ def test_paged_attention_matches_reference(query_lens, seq_lens, block_q):
     assert (got - expected).abs().max() < 1e-5
 
 
-def test_fused_add_norm_rotary_and_swiglu_match_references():
+def test_fused_add_norm_head_norm_and_swiglu_match_references():
     from runtime.engine.kernels.activation import silu_and_mul
     from runtime.engine.kernels.norm import rms_norm
-    from runtime.engine.kernels.rotary import rotary_inplace
 
     g = torch.Generator().manual_seed(1)
     x, r, w = torch.randn(7, 96, generator=g), torch.randn(7, 96, generator=g), torch.randn(96, generator=g)
@@ -84,22 +83,63 @@ def test_fused_add_norm_rotary_and_swiglu_match_references():
     assert (rms_norm(plain, w.to(DEVICE), 1e-5).cpu() - rms_norm_reference(x, w, 1e-5)).abs().max() < 1e-5
     assert torch.equal(plain.cpu(), x)  # without a residual the input is left alone
 
-    qkv = torch.randn(5, 8 * 16, generator=g)  # q: 4 heads, k: 2, v: 2, of 16 dims, as views of the fused output
-    q, k = qkv[:, :64].view(5, 4, 16), qkv[:, 64:96].view(5, 2, 16)
+    qkv = torch.randn(5, 8 * 16, generator=g)  # q: 4 heads of 16 dims, a view of the fused output
+    q = qkv[:, :64].view(5, 4, 16)
     normed = rms_norm(q.to(DEVICE), w[:16].to(DEVICE), 1e-6).cpu()
     assert (normed - rms_norm_reference(q, w[:16], 1e-6)).abs().max() < 1e-5
-    positions = torch.tensor([0, 3, 7, 100, 5])
-    table = rope.cos_sin_table(128, rope.inverse_frequencies(16, 10000.0, None))
-    want_q, want_k = rope.apply_rotary(q, k, positions, table)
-    fused = qkv.clone().to(DEVICE)
-    dq, dk = fused[:, :64].view(5, 4, 16), fused[:, 64:96].view(5, 2, 16)
-    rotary_inplace(dq, dk, positions.to(DEVICE), table.to(DEVICE))
-    assert (dq.cpu() - want_q).abs().max() < 1e-5 and (dk.cpu() - want_k).abs().max() < 1e-5
-    assert torch.equal(fused[:, 96:].cpu(), qkv[:, 96:])  # v untouched
 
     gate_up = torch.randn(3, 2 * 1500, generator=g)
     gate, up = gate_up.chunk(2, dim=-1)
     assert (silu_and_mul(gate_up.to(DEVICE)).cpu() - F.silu(gate) * up).abs().max() < 1e-5
+
+
+def rotated_in_float32(x, positions, table):
+    """Rotate-half rotary with each half computed in float32 and rounded to x's dtype."""
+    half = x.shape[-1] // 2
+    cos, sin = table[positions, :half][:, None, :], table[positions, half:][:, None, :]
+    f1, f2 = x[..., :half].float(), x[..., half:].float()
+    return torch.cat([(f1 * cos - f2 * sin).to(x.dtype), (f2 * cos + f1 * sin).to(x.dtype)], dim=-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,tokens", [(4, 2, 16, 5), (6, 2, 32, 1), (2, 2, 256, 3)])
+def test_rotary_kernel_rotates_q_and_k_and_writes_the_keys_and_values_into_their_slots(heads, kv_heads, head_dim,
+                                                                                         tokens, dtype):
+    from runtime.engine.kernels.rotary import rotary_store_kv
+    from runtime.engine.layers.attention import store_kv
+
+    g = torch.Generator().manual_seed(5)
+    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    qkv = torch.randn(tokens, q_size + 2 * kv_size, generator=g).to(dtype)  # q, k, v: views of the projection
+    views = [qkv[:, :q_size], qkv[:, q_size:q_size + kv_size], qkv[:, q_size + kv_size:]]
+    q, k, v = (t.view(tokens, -1, head_dim) for t in views)
+    positions = torch.tensor([0, 3, 100, 7, 64][:tokens])
+    slots = torch.tensor([5, 0, 23, 9, 14][:tokens])
+    table = rope.cos_sin_table(128, rope.inverse_frequencies(head_dim, 10000.0, None))
+    want_q, want_k = rotated_in_float32(q, positions, table), rotated_in_float32(k, positions, table)
+    want_caches = [torch.zeros(6, 4, kv_heads, head_dim, dtype=dtype) for _ in range(2)]
+    store_kv(want_k, v, *want_caches, slots)
+
+    fused = qkv.clone().to(DEVICE)
+    dq, dk, dv = (t.view(tokens, -1, head_dim) for t in (fused[:, :q_size], fused[:, q_size:q_size + kv_size],
+                                                          fused[:, q_size + kv_size:]))
+    caches = [torch.zeros(6, 4, kv_heads, head_dim, dtype=dtype, device=DEVICE) for _ in range(2)]
+    rotary_store_kv(dq, dk, dv, positions.to(DEVICE), table.to(DEVICE), *caches, slots.to(DEVICE))
+    got = [dq, dk, *caches]
+    want = [want_q, want_k, *want_caches]
+    # the interpreter rounds each float32 op as torch does (but truncates to bfloat16), while a GPU may fuse a
+    # multiply and an add: the same bits, or the same up to a last bit
+    if DEVICE == "cpu" and dtype != torch.bfloat16:
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(got, want))
+    else:
+        assert all((a.float().cpu() - b.float()).abs().max() <= 2 ** -6 * b.float().abs().max()
+                   for a, b in zip(got, want))
+    assert torch.equal(fused[:, q_size + kv_size:].cpu(), qkv[:, q_size + kv_size:])  # v itself untouched
+    assert torch.equal(caches[1].cpu(), want_caches[1])  # the values, copied
+    assert want_caches[0].abs().sum() > 0 and want_caches[0][4].abs().sum() == 0  # block 4: no slot there
+    if dtype == torch.float32:  # the CPU path's rotary (its 16-bit math rounds otherwise)
+        ref_q, ref_k = rope.apply_rotary(q, k, positions, table)
+        assert (ref_q - dq.cpu()).abs().max() < 1e-5 and (ref_k - dk.cpu()).abs().max() < 1e-5
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the cpu interpreter path")
@@ -188,22 +228,6 @@ def test_embedding_kernel_copies_each_tokens_row():
     ids = torch.tensor([7, 0, 49, 7, 23])
     got = embedding(ids.to(DEVICE), table.to(DEVICE)).cpu()
     assert torch.equal(got, F.embedding(ids, table))
-
-
-def test_kv_store_kernel_writes_each_token_into_its_slot():
-    from runtime.engine.kernels.kv_store import store_kv
-    from runtime.engine.layers.attention import store_kv as reference
-
-    g = torch.Generator().manual_seed(5)
-    qkv = torch.randn(4, 8 * 16, generator=g).bfloat16()  # k, v: views of the fused projection, like the model's
-    k, v = qkv[:, 64:96].view(4, 2, 16), qkv[:, 96:].view(4, 2, 16)
-    caches = [torch.zeros(6, 4, 2, 16, dtype=torch.bfloat16) for _ in range(4)]
-    slots = torch.tensor([5, 0, 23, 9])
-    reference(k, v, caches[0], caches[1], slots)
-    on = [c.to(DEVICE) for c in caches[2:]]
-    store_kv(k.to(DEVICE), v.to(DEVICE), on[0], on[1], slots.to(DEVICE))
-    assert torch.equal(on[0].cpu(), caches[0]) and torch.equal(on[1].cpu(), caches[1])
-    assert caches[0].abs().sum() > 0 and caches[0][3:5].abs().sum() == 0  # blocks 3, 4: no slot there
 
 
 def gate_up_and_weight(tokens, k, bias, dtype, seed=6):

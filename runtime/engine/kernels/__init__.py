@@ -1,14 +1,13 @@
-"""The Triton kernels of the engine (embedding, KV write, decode attention, norms, rotary, activation, one-token
-projections)."""
+"""The Triton kernels of the engine (embedding, rotary with the KV write, decode attention, norms, activation,
+few-token projections)."""
 
 from __future__ import annotations
 
 import importlib
 
 #: every module with Triton kernels the engine launches, the weight loader's device checksum included
-KERNEL_MODULES = tuple(f"runtime.engine.kernels.{name}" for name in ("activation", "embedding", "gemv",
-                                                                       "kv_store", "norm", "paged_attention",
-                                                                       "rotary")) + (
+KERNEL_MODULES = tuple(f"runtime.engine.kernels.{name}" for name in ("activation", "embedding", "gemv", "norm",
+                                                                       "paged_attention", "rotary")) + (
     "runtime.weights.checksum_kernel",)
 
 

@@ -1,4 +1,11 @@
-"""Triton rotary embedding, applied in place to the q and k heads of one token per program."""
+"""Triton rotary embedding fused with the KV write: one program per token rotates its q and k heads in place
+and writes its keys (rotated) and values into their slot of the block-paged cache.
+
+One launch instead of two in every decoder layer: inside a decode CUDA graph each launch costs its run time
+and a gap before the next kernel starts. The KV write is a Triton kernel rather than torch's index_copy_,
+which takes two launches (keys, values) of a kernel from a compressed libtorch_cuda module that the driver
+loads on first use (13-17 ms of a fresh process's graph restore on the H100).
+"""
 
 from __future__ import annotations
 
@@ -9,11 +16,22 @@ import triton.language as tl
 from runtime.engine.kernels.shape_class import half_block, heads_block
 
 
+@triton.jit
+def _rotated_halves(ptrs, mask, cos, sin, half):
+    """The heads at `ptrs` ([heads, half] of their first halves), rotated (rotate-half convention), in their
+    dtype: each half in float32, then rounded."""
+    x1 = tl.load(ptrs, mask=mask, other=0.0)
+    x2 = tl.load(ptrs + half, mask=mask, other=0.0)
+    f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
+    return (f1 * cos[None, :] - f2 * sin[None, :]).to(x1.dtype), (f2 * cos[None, :] + f1 * sin[None, :]).to(x1.dtype)
+
+
 # the head counts and the half dimension are runtime arguments (unspecialised) and the blocks their shape
 # class: one compiled kernel for every model of the class (runtime/engine/kernels/shape_class.py)
 @triton.jit(do_not_specialize=["num_q", "num_k", "half"])
-def _rotary_kernel(q_ptr, k_ptr, positions_ptr, cos_sin_ptr, stride_qt, stride_qh, stride_kt, stride_kh,
-                   num_q, num_k, half, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+def _rotary_store_kv_kernel(q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, positions_ptr, slots_ptr, cos_sin_ptr,
+                            stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, num_q, num_k, half,
+                            BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
     t = tl.program_id(0)
     position = tl.load(positions_ptr + t)
     d = tl.arange(0, BLOCK_HALF)
@@ -21,24 +39,39 @@ def _rotary_kernel(q_ptr, k_ptr, positions_ptr, cos_sin_ptr, stride_qt, stride_q
     cos = tl.load(cos_sin_ptr + position * 2 * half + d, mask=d_mask, other=0.0)
     sin = tl.load(cos_sin_ptr + position * 2 * half + half + d, mask=d_mask, other=0.0)
     h = tl.arange(0, BLOCK_H)
-    for which in tl.static_range(2):
-        if which == 0:
-            base, stride_h, count = q_ptr + t * stride_qt, stride_qh, num_q
-        else:
-            base, stride_h, count = k_ptr + t * stride_kt, stride_kh, num_k
-        mask = (h < count)[:, None] & d_mask[None, :]
-        ptrs = base + h[:, None] * stride_h + d[None, :]
-        x1 = tl.load(ptrs, mask=mask, other=0.0)
-        x2 = tl.load(ptrs + half, mask=mask, other=0.0)
-        f1, f2 = x1.to(tl.float32), x2.to(tl.float32)
-        tl.store(ptrs, (f1 * cos[None, :] - f2 * sin[None, :]).to(x1.dtype), mask=mask)
-        tl.store(ptrs + half, (f2 * cos[None, :] + f1 * sin[None, :]).to(x1.dtype), mask=mask)
+
+    q_mask = (h < num_q)[:, None] & d_mask[None, :]
+    q = q_ptr + t * stride_qt + h[:, None] * stride_qh + d[None, :]
+    q1, q2 = _rotated_halves(q, q_mask, cos, sin, half)
+    tl.store(q, q1, mask=q_mask)
+    tl.store(q + half, q2, mask=q_mask)
+
+    kv_mask = (h < num_k)[:, None] & d_mask[None, :]
+    k = k_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :]
+    k1, k2 = _rotated_halves(k, kv_mask, cos, sin, half)
+    tl.store(k, k1, mask=kv_mask)
+    tl.store(k + half, k2, mask=kv_mask)
+    # the cache's slot: [kv_heads, head_dim], contiguous
+    cached = tl.load(slots_ptr + t).to(tl.int64) * num_k * 2 * half + h[:, None] * 2 * half + d[None, :]
+    tl.store(k_cache_ptr + cached, k1.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
+    tl.store(k_cache_ptr + cached + half, k2.to(k_cache_ptr.dtype.element_ty), mask=kv_mask)
+    v = v_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :]
+    tl.store(v_cache_ptr + cached, tl.load(v, mask=kv_mask).to(v_cache_ptr.dtype.element_ty), mask=kv_mask)
+    tl.store(v_cache_ptr + cached + half, tl.load(v + half, mask=kv_mask).to(v_cache_ptr.dtype.element_ty),
+             mask=kv_mask)
 
 
-def rotary_inplace(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> None:
-    """q: [T, heads, head_dim], k: [T, kv_heads, head_dim] (last dim contiguous); cos_sin: [max_pos, head_dim]."""
+def rotary_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                    cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> None:
+    """q: [T, heads, head_dim], k, v: [T, kv_heads, head_dim] (any strides but a contiguous last dim: views of
+    the fused qkv projection are); cos_sin: [max_pos, head_dim]; caches: [num_blocks, block_size, kv_heads,
+    head_dim], contiguous. q and k are rotated in place."""
+    for x in (q, k, v):
+        if x.stride(-1) != 1:
+            raise ValueError(f"rotary_store_kv needs each head's dimensions contiguous, got strides {x.stride()}")
     half = q.shape[-1] // 2
-    _rotary_kernel[(q.shape[0],)](
-        q, k, positions, cos_sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        q.shape[1], k.shape[1], half, BLOCK_H=heads_block(max(q.shape[1], k.shape[1])),
-        BLOCK_HALF=half_block(half), num_warps=4)
+    _rotary_store_kv_kernel[(q.shape[0],)](
+        q, k, v, k_cache, v_cache, positions, slot_mapping, cos_sin, q.stride(0), q.stride(1), k.stride(0),
+        k.stride(1), v.stride(0), v.stride(1), q.shape[1], k.shape[1], half,
+        BLOCK_H=heads_block(max(q.shape[1], k.shape[1])), BLOCK_HALF=half_block(half), num_warps=4)

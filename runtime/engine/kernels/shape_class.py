@@ -5,8 +5,8 @@ and the compile-time block sizes are chosen per class, so that models of differe
 compiled kernel: a model whose classes another model of the process already loaded loads no Triton kernel
 at its first start (PASK's reuse of loaded kernels, decided ahead: docs/multi-model.md, "Kernels"). The
 attention is one class for every head dimension of 128 (Qwen2, Qwen3, Llama-3, Mistral), whatever the
-heads per KV head, and so is the KV write up to 1,024 wide (8 KV heads of 128); the norms take a hidden
-size up to 2,048 in one class and up to 4,096 in the next, the rotary up to 16 heads and up to 32.
+heads per KV head; the norms take a hidden size up to 2,048 in one class and up to 4,096 in the next, the
+rotary with the KV write up to 16 heads and up to 32.
 
 The classes are fixed rather than picked at run time among the kernels already loaded, because a
 materialised CUDA graph names its kernels (snapshots/cudagraph): the kernel a model launches must be the
@@ -21,9 +21,8 @@ from __future__ import annotations
 # heads) made Qwen2-1.5B's decode steps 2.7-2.9% slower on the H100 (scripts/bench_decode_two_trees.sh), for
 # two kernels loaded once per process
 ROW_CLASS = 2048  # norms: hidden sizes
-KV_ROW_CLASS = 1024  # the KV write: kv_heads * head_dim
-HEADS_CLASS = 16  # rotary: the larger of the query and KV head counts
-HALF_CLASS = 64  # rotary: half the head dimension
+HEADS_CLASS = 16  # rotary and KV write: the larger of the query and KV head counts
+HALF_CLASS = 64  # rotary and KV write: half the head dimension
 PREFILL_ROWS = 64  # prefill attention: query rows (tokens x heads of a group) per tile
 
 
@@ -33,10 +32,6 @@ def row_block(size: int) -> int:
 
 def row_warps(block: int) -> int:
     return 8 if block > 2048 else 4
-
-
-def kv_row_block(size: int) -> int:
-    return max(KV_ROW_CLASS, _power_of_2(size))
 
 
 def heads_block(heads: int) -> int:

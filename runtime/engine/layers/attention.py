@@ -17,15 +17,29 @@ import torch.nn.functional as F
 from runtime.engine.attention_metadata import AttentionMetadata
 from runtime.engine.cpu.attention import paged_attention_cpu
 from runtime.engine.layers.dispatch import use_kernels
+from runtime.engine.layers.rotary import apply_rotary
+
+RopeRows = tuple[torch.Tensor, torch.Tensor]
+
+
+def rotate_and_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                        cos_sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                        rope_rows: RopeRows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary embedding of q and k, then k and v into their slots of the cache; returns q and k rotated.
+    On cuda one kernel, in place (runtime/engine/kernels/rotary.py): one launch fewer per layer."""
+    if use_kernels(q):
+        from runtime.engine.kernels.rotary import rotary_store_kv
+
+        rotary_store_kv(q, k, v, positions, cos_sin, k_cache, v_cache, slot_mapping)
+        return q, k
+    q, k = apply_rotary(q, k, positions, cos_sin, rope_rows)
+    store_kv(k, v, k_cache, v_cache, slot_mapping)
+    return q, k
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """k, v: [T, kv_heads, head_dim]; caches: [num_blocks, block_size, kv_heads, head_dim]."""
-    if use_kernels(k):
-        from runtime.engine.kernels.kv_store import store_kv as kernel
-
-        return kernel(k, v, k_cache, v_cache, slot_mapping)
     flat_k = k_cache.view(-1, *k_cache.shape[2:])
     flat_v = v_cache.view(-1, *v_cache.shape[2:])
     flat_k.index_copy_(0, slot_mapping, k.to(flat_k.dtype))

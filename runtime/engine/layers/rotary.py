@@ -6,7 +6,6 @@ import math
 
 import torch
 
-from runtime.engine.layers.dispatch import use_kernels
 from runtime.engine.model_config import RopeScaling
 
 
@@ -34,13 +33,9 @@ def cos_sin_table(max_positions: int, inv_freq: torch.Tensor) -> torch.Tensor:
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor,
                  rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: [T, heads, head_dim], k: [T, kv_heads, head_dim]. In place on cuda; new tensors on cpu, where `rows`
-    (from `rotary_rows`, gathered once a step for every layer) saves gathering the tokens' rows again."""
-    if use_kernels(q):
-        from runtime.engine.kernels.rotary import rotary_inplace
-
-        rotary_inplace(q, k, positions, cos_sin)
-        return q, k
+    """q: [T, heads, head_dim], k: [T, kv_heads, head_dim] -> new tensors (the kernels' path rotates them in
+    place, together with the KV write: layers/attention.py). `rows` (from `rotary_rows`, gathered once a step
+    for every layer) saves gathering the tokens' rows again."""
     cos, sin = rows if rows is not None else rotary_rows(positions, cos_sin, q.dtype)
     heads = q.shape[1]
     rotated = _rotate(_joined(q, k), cos, sin)

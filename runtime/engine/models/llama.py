@@ -11,15 +11,14 @@ import torch
 from torch import nn
 
 from runtime.engine.attention_metadata import AttentionMetadata
-from runtime.engine.layers.attention import paged_attention, store_kv
+from runtime.engine.layers.attention import RopeRows, paged_attention, rotate_and_store_kv
 from runtime.engine.layers.dispatch import use_kernels
 from runtime.engine.layers.linear import Embedding, Linear, linear
 from runtime.engine.layers.norm import RMSNorm
-from runtime.engine.layers.rotary import apply_rotary, rotary_rows
+from runtime.engine.layers.rotary import rotary_rows
 from runtime.engine.model_config import ModelConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
-RopeRows = tuple[torch.Tensor, torch.Tensor]
 
 
 class Attention(nn.Module):
@@ -44,8 +43,8 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, k, positions, cos_sin, rope_rows)
-        store_kv(k, v, kv_cache[0], kv_cache[1], meta.slot_mapping)
+        q, k = rotate_and_store_kv(q, k, v, positions, cos_sin, kv_cache[0], kv_cache[1], meta.slot_mapping,
+                                   rope_rows)
         out = paged_attention(q, kv_cache[0], kv_cache[1], meta, self.scale, (k, v))
         return self.o_proj(out.reshape(-1, self.q_size))
 
