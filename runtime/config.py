@@ -261,8 +261,8 @@ class Settings:
         "its restore)")
     prime_driver: bool = _setting(
         "PRIME_DRIVER", _bool, True,
-        "process snapshots on cuda: a short-lived process makes a CUDA context while CRIU restores the runtime, "
-        "so that the restored runtime's cuInit finds the driver warm (0: the runtime initialises CUDA alone)")
+        "process snapshots on cuda: a short-lived process runs cuInit while CRIU restores the runtime, so that "
+        "the restored runtime's own finds the driver warm (0: the runtime initialises CUDA alone)")
     handler: str = _setting(
         "HANDLER", str, "handlers.openai:handler", "module:attribute of the handler to serve")
     served_model_name: str | None = _setting(

@@ -1,13 +1,13 @@
-"""A short-lived process that makes a CUDA context while CRIU restores a process snapshot onto a GPU.
+"""A short-lived process that initialises the CUDA driver while CRIU restores a process snapshot onto a GPU.
 
 A restored process snapshot holds no CUDA state, so the runtime calls cuInit and makes its context after the
 restore, on the way to its first token. On the H100 machine cuInit took 0.10 s in a bare process and 0.18 s
-in one that had imported torch, but 0.01 s while another process held a context on the GPU
+in one that had imported torch, but 0.01 s while another process had run cuInit, with or without a context
 (`scripts/probe_cuda_start.py`, docs/benchmarks.md). So a bootstrap that may restore a snapshot onto a GPU
-starts this primer first thing (`snapshots/restore.py: take_over`): its start, cuInit and context overlap
-the bootstrap's checks and CRIU's restore, and it holds the context for HOLD_S, long past the restored
-runtime's own cuInit, then exits, freeing the context's memory. It runs without `site` (the interpreter
-starts in a few milliseconds) and imports only the driver's ctypes binding.
+starts this primer first thing (`snapshots/restore.py: take_over`): its start and cuInit overlap the
+bootstrap's checks and CRIU's restore, and it stays for HOLD_S, long past the restored runtime's own cuInit,
+then exits. It makes no context, so it holds no GPU memory. It runs without `site` (the interpreter starts
+in a few milliseconds) and imports only the driver's ctypes binding.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from runtime.config import Settings
 
-#: seconds the primer holds its context: the restored runtime makes its own within a second of the restore
+#: seconds the primer stays: the restored runtime calls cuInit within a second of the restore
 HOLD_S = 3.0
 #: the package root, for an interpreter started without `site`
 ROOT = str(Path(__file__).resolve().parents[1])
@@ -44,10 +44,10 @@ def start_primer(settings: "Settings") -> subprocess.Popen | None:
 
 
 def main() -> None:
-    from runtime.cuda_driver.device import create_primary_context
+    from runtime.cuda_driver.device import init_driver
 
     try:
-        create_primary_context(0)  # the first visible GPU: a lone model's, and the first of several
+        init_driver()
     except Exception as exc:  # the restored runtime makes its context anyway, only without the head start
         print(f"driver primer: {exc}", file=sys.stderr)
         sys.exit(1)

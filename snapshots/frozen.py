@@ -60,24 +60,7 @@ def build(kind: str, model_dir: Path | None, settings: Settings):
         drop_cached_memory()
         release_local_memory()
     trim_host_heap()
-    if kind == "gpu":
-        log_image_memory()
     return engine
-
-
-def log_image_memory() -> None:
-    """What the checkpoint is about to put in the image: the process's anonymous host memory, and the device
-    memory its context holds (torch's share of it: what its allocator keeps, the graphs' pool included)."""
-    import torch
-
-    anonymous = 0
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("RssAnon:"):
-                anonymous = int(line.split()[1]) << 10
-    free, total = torch.cuda.mem_get_info()
-    log.info("gpu snapshot: %.0f MiB of anonymous host memory, %.0f MiB of device memory in use (torch's "
-             "allocator: %.0f MiB)", anonymous / 2**20, (total - free) / 2**20, torch.cuda.memory_reserved() / 2**20)
 
 
 def load_restore_path(kind: str) -> None:

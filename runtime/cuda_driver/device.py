@@ -30,6 +30,13 @@ def _make_current(index: int) -> None:
     call(d.cuCtxSetCurrent(context), "cuCtxSetCurrent")
 
 
+def init_driver() -> None:
+    """`cuInit`, through ctypes with the GIL released; no context is made."""
+    from runtime.cuda_driver.graphs import check, lib
+
+    check(lib().cuInit(0), "cuInit")
+
+
 def create_primary_context(index: int) -> None:
     """Create GPU INDEX's primary context (the one torch, Triton and the loader share) through the driver, with
     the GIL released for the whole call (ctypes). Made by torch's first allocation instead, the same work holds
