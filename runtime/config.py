@@ -236,7 +236,8 @@ class Settings:
     graph_prefill_tokens: int = _setting(
         "GRAPH_PREFILL_TOKENS", _non_negative_int, 64,
         "a step with prompt tokens and at most this many tokens in all runs in a decode CUDA graph, a token "
-        "a row (the rest of a prompt after a cached prefix, a short prompt); 0: such steps run eagerly")
+        "a row, when every prompt in it goes on from computed tokens (after a cached prefix, a later slice); "
+        "0: such steps run eagerly")
     async_scheduling: bool = _setting(
         "ASYNC_SCHEDULING", _bool, True,
         "launch each decode step before reading the last one's tokens (off: one step at a time)")

@@ -47,6 +47,9 @@ def test_prompt_tokens_as_graph_rows_give_the_prefill_logits(tiny_model, engine_
     runner = engine.runner
     batch = _mixed_step(engine)
     assert batch.samples == [True, True, False]
+    # a prompt computed from its start stays eager (a graph's kernels round differently): not this step
+    assert not batch.continues_every_prompt
+    assert ScheduledBatch(batch.seqs[:2], batch.num_new_tokens[:2]).continues_every_prompt
     prefill = runner.execute(batch, engine.blocks).clone()
 
     rows = graph_rows(batch, engine.blocks, None)

@@ -262,7 +262,7 @@ class ModelRunner:
             graph_bs = self._graph_size(len(batch.seqs))
             if graph_bs is not None:
                 return self._forward_graph(graph_bs, batch.seqs, blocks, pending)
-        elif batch.num_tokens <= self.config.graph_prefill_tokens:
+        elif batch.num_tokens <= self.config.graph_prefill_tokens and batch.continues_every_prompt:
             graph_bs = self._graph_size(batch.num_tokens)
             if graph_bs is not None:
                 return self._forward_graph_rows(graph_bs, batch, blocks, pending)
@@ -313,7 +313,7 @@ class ModelRunner:
         to its sequence's tokens up to itself. A layer stores every row's key and value before any row
         attends, so a row sees the rows before it as cached tokens: the causal attention of a prefill. An
         eager step pays the host's launch of every kernel (17 ms for Llama-3-8B on the H100), far more than
-        the device needs for a few dozen tokens: the suffix after a cached prefix, a short prompt."""
+        the device needs for a few dozen tokens: the suffix after a cached prefix, a prompt's last slice."""
         rows = graph_rows(batch, blocks, pending)
         self.staging.fill(bs, rows.ids, rows.positions, rows.slots, rows.tables)
         self.staging.upload(bs)

@@ -42,6 +42,14 @@ class ScheduledBatch:
         return all(n == 1 for n in self.num_new_tokens) and all(self.samples)
 
     @property
+    def continues_every_prompt(self) -> bool:
+        """No sequence starts its prompt in this step: each one's new tokens follow tokens already computed
+        (cached, or an earlier slice's). A step in a decode graph computes with other kernels than an eager
+        one, so a prompt computed from its start stays eager: its first tokens come out the same whether or
+        not the graphs of a materialised start have all been rebuilt yet."""
+        return all(seq.num_computed_tokens > 0 for seq in self.seqs)
+
+    @property
     def sampling_seqs(self) -> list[Sequence]:
         return [seq for seq, sample in zip(self.seqs, self.samples) if sample]
 

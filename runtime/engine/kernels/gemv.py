@@ -10,14 +10,15 @@ and the tokens padded to 16 rows, on the tensor cores; still one pass over W. It
 builds before ready: cuBLAS's first call in a process costs tens of milliseconds, and its kernels one module
 load each (docs/snapshots.md).
 
-The down projection of a SwiGLU MLP has a gated twin of each kernel (`_gated_gemv_kernel`,
-`_gated_few_rows_kernel`): its input is the gate_up projection's output, and the gate silu(gate) * up is
-computed while the input is read, with the bits of the gate's own kernel (runtime/engine/kernels/activation.py).
-A decode step then launches one kernel fewer per layer; inside a CUDA graph each launch costs its run time
-and a gap before the next starts.
+At one token the down projection of a SwiGLU MLP has a gated twin, `_gated_gemv_kernel`: its input is the
+gate_up projection's output, and the gate silu(gate) * up is computed while the input is read, with the bits
+of the gate's own kernel (runtime/engine/kernels/activation.py). A batch-1 decode step then launches one
+kernel fewer per layer; inside a CUDA graph each launch costs its run time and a gap before the next starts.
+Two to eight tokens keep the gate's own kernel: a gated twin of `_few_rows_kernel`, which computes the gate
+for 16 padded rows in every program, made batch-8 decode steps 2.3-3 times slower on the H100.
 
 One configuration per kernel serves every shape, and the bias and the number of tokens are runtime
-arguments, so a model's products are four compiled specialisations, one per kernel: a materialised CUDA
+arguments, so a model's products are three compiled specialisations, one per kernel: a materialised CUDA
 graph finds its kernels by name (snapshots/cudagraph), and two specialisations of one Triton kernel would
 share a name. `fits` keeps it that way, sending anything else (an unaligned view, a dimension not a
 multiple of 16, more than eight tokens) to cuBLAS.
@@ -85,8 +86,8 @@ def _few_rows(w_ptr, x_ptr, bias_ptr, y_ptr, M, N, K, has_bias, BLOCK_M: tl.cons
              mask=token_valid[:, None] & row_valid[None, :])
 
 
-# Four kernels over two bodies: the gated ones are kernels of their own, with their own names, for the
-# reason above (snapshots/cudagraph finds a kernel by name)
+# Three kernels over two bodies: the gated one is a kernel of its own, with its own name, for the reason
+# above (snapshots/cudagraph finds a kernel by name)
 @triton.jit(do_not_specialize=["has_bias"])
 def _gemv_kernel(w_ptr, x_ptr, bias_ptr, y_ptr, N, K, has_bias, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     _one_row(w_ptr, x_ptr, bias_ptr, y_ptr, N, K, has_bias, BLOCK_N, BLOCK_K, False)
@@ -104,12 +105,6 @@ def _few_rows_kernel(w_ptr, x_ptr, bias_ptr, y_ptr, M, N, K, has_bias, BLOCK_M: 
     _few_rows(w_ptr, x_ptr, bias_ptr, y_ptr, M, N, K, has_bias, BLOCK_M, BLOCK_N, BLOCK_K, False)
 
 
-@triton.jit(do_not_specialize=["M", "has_bias"])
-def _gated_few_rows_kernel(w_ptr, x_ptr, bias_ptr, y_ptr, M, N, K, has_bias, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    _few_rows(w_ptr, x_ptr, bias_ptr, y_ptr, M, N, K, has_bias, BLOCK_M, BLOCK_N, BLOCK_K, True)
-
-
 MAX_FEW_ROWS = 8
 FEW_BLOCK_M, FEW_BLOCK_N, FEW_BLOCK_K = 16, 16, 512  # 16: the tensor cores' smallest tile
 
@@ -118,8 +113,10 @@ def fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: 
          gated: bool = False) -> bool:
     """Whether this product is one to eight tokens' and lands in the single specialisation its kernel is used
     at. Two to eight tokens take 16-bit weights only: on float32 the tensor cores would round to TF32.
-    `gated`: x is a gate_up projection's output, twice the weight's input wide (see `gemv`)."""
+    `gated`: x is one token of a gate_up projection's output, twice the weight's input wide (see `gemv`)."""
     if x.dim() != 2 or not 1 <= x.shape[0] <= MAX_FEW_ROWS or not x.is_contiguous() or not weight.is_contiguous():
+        return False
+    if gated and x.shape[0] != 1:
         return False
     if x.shape[0] > 1 and weight.dtype not in (torch.bfloat16, torch.float16):
         return False
@@ -133,17 +130,18 @@ def fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          out: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
     """x: [M, K] (M 1 to 8); weight: [N, K]; bias: [N] or None. Returns [M, N] in x's dtype (into `out` if
-    given). `gated`: x is [M, 2K], a gate_up projection's output, and the product's input is its SwiGLU gate
+    given). `gated` (M 1): x is [1, 2K], a gate_up projection's output, and the product's input is its SwiGLU gate
     silu(x[:, :K]) * x[:, K:], computed on the fly with the bits of runtime/engine/kernels/activation.py's
     kernel: one launch instead of two, and the gate never goes through memory."""
     m = x.shape[0]
     n, k = weight.shape
     out = torch.empty((m, n), dtype=x.dtype, device=x.device) if out is None else out
     if m > 1:
-        few_rows = _gated_few_rows_kernel if gated else _few_rows_kernel
-        few_rows[(triton.cdiv(n, FEW_BLOCK_N),)](weight, x, weight if bias is None else bias, out, m, n, k,
-                                                 0 if bias is None else 1, BLOCK_M=FEW_BLOCK_M, BLOCK_N=FEW_BLOCK_N,
-                                                 BLOCK_K=FEW_BLOCK_K, num_warps=4, num_stages=3)
+        assert not gated, "the gate is folded into one token's product only (fits)"
+        _few_rows_kernel[(triton.cdiv(n, FEW_BLOCK_N),)](weight, x, weight if bias is None else bias, out, m, n, k,
+                                                       0 if bias is None else 1, BLOCK_M=FEW_BLOCK_M,
+                                                       BLOCK_N=FEW_BLOCK_N, BLOCK_K=FEW_BLOCK_K, num_warps=4,
+                                                       num_stages=3)
         return out
     # without a bias the weight stands in for its pointer: never read, and aligned like the real one
     one_row = _gated_gemv_kernel if gated else _gemv_kernel

@@ -30,8 +30,8 @@ class Linear(nn.Module):
         return linear(x, self.weight, self.bias)
 
     def gated(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """self(silu_and_mul(gate_up)), the down projection of a SwiGLU MLP. One to eight tokens on cuda
-        compute the gate inside the product (runtime/engine/kernels/gemv.py): one launch fewer per layer."""
+        """self(silu_and_mul(gate_up)), the down projection of a SwiGLU MLP. One token on cuda computes the
+        gate inside the product (runtime/engine/kernels/gemv.py): one launch fewer per layer."""
         if use_kernels(gate_up):
             from runtime.engine.kernels.gemv import fits, gemv
 
