@@ -79,7 +79,7 @@ def test_switch_smoke_on_cpu(tmp_path):
     points = {p["system"]: p for p in trace["points"]}
     assert list(points) == ["pool", "lru", "pool-affinity", "pool-round-robin", "pool-fixed", "per-model"]
     for p in points.values():
-        assert p["status"] == "ok" and p["completed"] == p["requests"] > 0
+        assert p["status"] == "ok" and p["completed"] == p["requests"] > 0, (p["system"], p["errors"])
         assert p["ttft_p50_s"] <= p["ttft_p99_s"] and p["bytes_streamed"] > 0
     assert list(points["pool"]["devices"]) == ["cpu"]
     for system in ("pool-affinity", "pool-round-robin", "pool-fixed"):  # two simulated devices, half the memory each
