@@ -39,8 +39,13 @@ def start_primer(settings: "Settings") -> subprocess.Popen | None:
     the restored runtime's supervisor, reaps it (snapshots/supervise.py)."""
     if not wanted(settings) or not os.path.exists("/dev/nvidiactl"):
         return None
+    return subprocess.Popen(primer_command(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+
+
+def primer_command() -> list[str]:
+    """The primer's interpreter, without `site`, and the code it runs."""
     code = f"import sys; sys.path.insert(0, {ROOT!r}); from snapshots.driver_primer import main; main()"
-    return subprocess.Popen([sys.executable, "-S", "-c", code], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    return [sys.executable, "-S", "-c", code]
 
 
 def main() -> None:

@@ -71,38 +71,34 @@ def process_hooks(weights_during_restore: str) -> CriuHooks:
     from disk too); from the page cache, the restored runtime loaded them itself 0.3 s sooner: the helper's CUDA
     context takes as long to make as the runtime's, and the copy from the page cache is not what waits.
     Several models: no helper (their weights go into pool memory, mapped only once the pool exists)."""
+    if weights_during_restore == "never":
+        return CriuHooks()
 
-    def start_helper(image: SnapshotImage, boot: bool) -> "RestoreHelper | None":
+    def start_weights_helper(image: SnapshotImage, boot: bool) -> "RestoreHelper | None":
         if not boot or image.engine_device().split(":")[0] != "cuda":
             return None
-        return _weights_helper(image, weights_during_restore)
+        if image.model_dirs:
+            log.info("process snapshot of %d models: no helper streams weights during the restore (each model's "
+                     "weights stream into its pool when it is made resident)", len(image.model_dirs))
+            return None
+        from runtime.weights.residency import cached_fraction, files_in
 
-    return CriuHooks(start_restore_helper=start_helper)
+        cached = cached_fraction(files_in(Path(image.model_dir)))
+        if weights_during_restore == "auto" and cached is not None and cached >= CACHED_ENOUGH:
+            log.info("process snapshot: %.0f%% of the weights in the page cache: the restored runtime loads them",
+                     100 * cached)
+            return None
+        from runtime.cuda_driver import bindings_installed
 
+        if not bindings_installed():  # after the cheap check: looking the package up costs milliseconds
+            return None
+        from snapshots.cuda_checkpoint import RestoreHelper
 
-def _weights_helper(image: SnapshotImage, weights_during_restore: str) -> "RestoreHelper | None":
-    if weights_during_restore == "never":
-        return None
-    if image.model_dirs:
-        log.info("process snapshot of %d models: no helper streams weights during the restore (each model's "
-                 "weights stream into its pool when it is made resident)", len(image.model_dirs))
-        return None
-    from runtime.weights.residency import cached_fraction, files_in
+        log.info("process snapshot: %s of the weights in the page cache: a helper streams them during the restore",
+                 "an unknown share" if cached is None else f"{100 * cached:.0f}%")
+        return RestoreHelper(Path(image.model_dir), cuda_restore=False)
 
-    cached = cached_fraction(files_in(Path(image.model_dir)))
-    if weights_during_restore == "auto" and cached is not None and cached >= CACHED_ENOUGH:
-        log.info("process snapshot: %.0f%% of the weights in the page cache: the restored runtime loads them",
-                 100 * cached)
-        return None
-    from runtime.cuda_driver import bindings_installed
-
-    if not bindings_installed():  # after the cheap check: looking the package up costs milliseconds
-        return None
-    from snapshots.cuda_checkpoint import RestoreHelper
-
-    log.info("process snapshot: %s of the weights in the page cache: a helper streams them during the restore",
-             "an unknown share" if cached is None else f"{100 * cached:.0f}%")
-    return RestoreHelper(Path(image.model_dir), cuda_restore=False)
+    return CriuHooks(start_restore_helper=start_weights_helper)
 
 
 def bake_snapshot(kind: str, settings: Settings, model_dir: Path | None, snapshot_dir: Path, hooks: CriuHooks,

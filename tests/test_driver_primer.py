@@ -1,17 +1,15 @@
 """The driver primer a bootstrap starts before restoring a snapshot onto a GPU (snapshots/driver_primer.py)."""
 
 import subprocess
-import sys
 
 import pytest
 
 from runtime.config import Settings
-from snapshots.driver_primer import ROOT, wanted
+from snapshots.driver_primer import primer_command, wanted
 
 
 def test_a_primer_that_cannot_make_a_context_says_why_and_ends_at_once(tmp_path):
-    code = f"import sys; sys.path.insert(0, {ROOT!r}); from snapshots.driver_primer import main; main()"
-    done = subprocess.run([sys.executable, "-S", "-c", code], cwd=tmp_path, capture_output=True, text=True,
+    done = subprocess.run(primer_command(), cwd=tmp_path, capture_output=True, text=True,
                           timeout=60, env={"CUDA_VISIBLE_DEVICES": ""})
     if done.returncode == 0:
         pytest.skip("a GPU driver made a context here")

@@ -300,11 +300,8 @@ class ModelRunner:
                 feeds.append((i, pending.rows[seq]))
                 token = 0
             ids.append(token)
-        self.staging.fill(bs, ids, positions, [blocks.slot(seq, p) for seq, p in zip(seqs, positions)],
-                          [seq.block_table for seq in seqs])
-        self.staging.upload(bs)
-        _feed_pending(self.decode.input_ids, feeds, pending)
-        self.graphs[bs].replay()
+        self._replay(bs, ids, positions, [blocks.slot(seq, p) for seq, p in zip(seqs, positions)],
+                     [seq.block_table for seq in seqs], feeds, pending)
         return self.decode.logits[:len(seqs)]
 
     def _forward_graph_rows(self, bs: int, batch: ScheduledBatch, blocks: BlockManager,
@@ -315,13 +312,18 @@ class ModelRunner:
         eager step pays the host's launch of every kernel (17 ms for Llama-3-8B on the H100), far more than
         the device needs for a few dozen tokens: the suffix after a cached prefix, a prompt's last slice."""
         rows = graph_rows(batch, blocks, pending)
-        self.staging.fill(bs, rows.ids, rows.positions, rows.slots, rows.tables)
-        self.staging.upload(bs)
-        _feed_pending(self.decode.input_ids, rows.feeds, pending)
-        self.graphs[bs].replay()
+        self._replay(bs, rows.ids, rows.positions, rows.slots, rows.tables, rows.feeds, pending)
         if not rows.sampling:
             return self.decode.logits[:0]
         return self.decode.logits[self._upload(rows.sampling, torch.int64)]
+
+    def _replay(self, bs: int, ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
+                feeds: list[tuple[int, int]], pending: PendingTokens | None) -> None:
+        """Stage one token a row in the decode buffers, take the PENDING ones from the device, replay graph BS."""
+        self.staging.fill(bs, ids, positions, slots, tables)
+        self.staging.upload(bs)
+        _feed_pending(self.decode.input_ids, feeds, pending)
+        self.graphs[bs].replay()
 
     def _forward_eager(self, ids, positions, slots, query_lens, seq_lens, tables,
                        feed: Callable[[torch.Tensor], None] | None = None,

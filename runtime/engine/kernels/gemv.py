@@ -37,14 +37,13 @@ ALIGN = 16  # bytes; Triton specialises pointers (and sizes) on divisibility by 
 
 
 @triton.jit
-def _input_tile(x_ptr, tokens, cols, mask, K, GATED: tl.constexpr):
-    """The product's input at (tokens, cols): x [M, K] itself, or, GATED, the SwiGLU gate of the gate_up
-    projection's output x [M, 2K], computed as the gate's own kernel computes it."""
+def _input_tile(x_ptr, cols, mask, K, GATED: tl.constexpr):
+    """One token's input at COLS: x [K] itself, or, GATED, the SwiGLU gate of the gate_up projection's output
+    x [2K], computed as the gate's own kernel computes it."""
     if GATED:
-        gate = x_ptr + tokens * (2 * K) + cols
-        tile = swiglu(tl.load(gate, mask=mask, other=0.0), tl.load(gate + K, mask=mask, other=0.0))
+        tile = swiglu(tl.load(x_ptr + cols, mask=mask, other=0.0), tl.load(x_ptr + K + cols, mask=mask, other=0.0))
     else:
-        tile = tl.load(x_ptr + tokens * K + cols, mask=mask, other=0.0)
+        tile = tl.load(x_ptr + cols, mask=mask, other=0.0)
     return tile
 
 
@@ -59,16 +58,16 @@ def _one_row(w_ptr, x_ptr, bias_ptr, y_ptr, N, K, has_bias, BLOCK_N: tl.constexp
         col_valid = cols < K
         w = tl.load(w_ptr + rows[:, None] * K + cols[None, :], mask=row_valid[:, None] & col_valid[None, :],
                     other=0.0)
-        x = _input_tile(x_ptr, 0, cols, col_valid, K, GATED)
+        x = _input_tile(x_ptr, cols, col_valid, K, GATED)
         acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
     if has_bias != 0:
         acc += tl.load(bias_ptr + rows, mask=row_valid, other=0.0).to(tl.float32)
     tl.store(y_ptr + rows, acc.to(y_ptr.dtype.element_ty), mask=row_valid)
 
 
-@triton.jit
-def _few_rows(w_ptr, x_ptr, bias_ptr, y_ptr, M, N, K, has_bias, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, GATED: tl.constexpr):
+@triton.jit(do_not_specialize=["M", "has_bias"])
+def _few_rows_kernel(w_ptr, x_ptr, bias_ptr, y_ptr, M, N, K, has_bias, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     tokens = tl.arange(0, BLOCK_M)
     row_valid, token_valid = rows < N, tokens < M
@@ -78,7 +77,8 @@ def _few_rows(w_ptr, x_ptr, bias_ptr, y_ptr, M, N, K, has_bias, BLOCK_M: tl.cons
         col_valid = cols < K
         w = tl.load(w_ptr + rows[None, :] * K + cols[:, None], mask=row_valid[None, :] & col_valid[:, None],
                     other=0.0)  # [BLOCK_K, BLOCK_N]: W's rows as columns
-        x = _input_tile(x_ptr, tokens[:, None], cols[None, :], token_valid[:, None] & col_valid[None, :], K, GATED)
+        x = tl.load(x_ptr + tokens[:, None] * K + cols[None, :], mask=token_valid[:, None] & col_valid[None, :],
+                    other=0.0)
         acc = tl.dot(x, w, acc)
     if has_bias != 0:
         acc += tl.load(bias_ptr + rows, mask=row_valid, other=0.0).to(tl.float32)[None, :]
@@ -86,8 +86,8 @@ def _few_rows(w_ptr, x_ptr, bias_ptr, y_ptr, M, N, K, has_bias, BLOCK_M: tl.cons
              mask=token_valid[:, None] & row_valid[None, :])
 
 
-# Three kernels over two bodies: the gated one is a kernel of its own, with its own name, for the reason
-# above (snapshots/cudagraph finds a kernel by name)
+# The one-token kernel and its gated twin share a body; the gated one is a kernel of its own, with its own
+# name, for the reason above (snapshots/cudagraph finds a kernel by name)
 @triton.jit(do_not_specialize=["has_bias"])
 def _gemv_kernel(w_ptr, x_ptr, bias_ptr, y_ptr, N, K, has_bias, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     _one_row(w_ptr, x_ptr, bias_ptr, y_ptr, N, K, has_bias, BLOCK_N, BLOCK_K, False)
@@ -97,12 +97,6 @@ def _gemv_kernel(w_ptr, x_ptr, bias_ptr, y_ptr, N, K, has_bias, BLOCK_N: tl.cons
 def _gated_gemv_kernel(w_ptr, x_ptr, bias_ptr, y_ptr, N, K, has_bias, BLOCK_N: tl.constexpr,
                        BLOCK_K: tl.constexpr):
     _one_row(w_ptr, x_ptr, bias_ptr, y_ptr, N, K, has_bias, BLOCK_N, BLOCK_K, True)
-
-
-@triton.jit(do_not_specialize=["M", "has_bias"])
-def _few_rows_kernel(w_ptr, x_ptr, bias_ptr, y_ptr, M, N, K, has_bias, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
-    _few_rows(w_ptr, x_ptr, bias_ptr, y_ptr, M, N, K, has_bias, BLOCK_M, BLOCK_N, BLOCK_K, False)
 
 
 MAX_FEW_ROWS = 8
