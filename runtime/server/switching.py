@@ -99,12 +99,15 @@ class DeviceSlot:
                     self._executor.submit(self._undo, hold)
                 raise
             except Exception as exc:
-                if not self._others_in_flight(model):
+                # A release since this try began was queued on the worker thread after it, so the retry sees
+                # it: the request that held the room may have finished while the refusal came back.
+                released = self._releases != releases
+                if not released and not self._others_in_flight(model):
                     log.exception("%s: model %s cannot be made resident", self.device, model)
                     raise APIError(503, f"model `{model}` cannot be made resident on {self.device}: {exc}",
                                    code="model_unavailable", type="server_error") from None
                 # room is held by other models' requests: the next one to finish may free it
-                if self._releases == releases:
+                if not released:
                     self._released = asyncio.Event()
                     await self._released.wait()
                 continue
