@@ -2,8 +2,8 @@
 it: for a run whose PNG did not come back with its JSON, or a figure to check against its numbers.
 
     python scripts/replot.py coldstart docs/benchmarks/coldstart-h100-llama-3-8b.json out.png
-    python scripts/replot.py switch docs/benchmarks/switch-latency-h200x2.json \\
-        docs/benchmarks/multi-model-trace-h200x2.json out.png
+    python scripts/replot.py switch docs/benchmarks/switch-latency-h100x2.json \\
+        docs/benchmarks/multi-model-trace-h100x2.json out.png
 """
 
 from __future__ import annotations
