@@ -131,6 +131,7 @@ class Engine:
         self.kv_profile: KVProfile | None = None
         self.graph_fallbacks: dict[int, str] = {}
         self._graphs_thread: threading.Thread | None = None
+        self._graphs_now = threading.Event()  # the graphs left for after ready stop stepping aside
         self._device_lock = threading.Lock()
         self._device_span: tuple[float, float, dict] | None = None  # (start, end, the cuda_init stage's detail)
         self.ready = False
@@ -324,13 +325,22 @@ class Engine:
         otherwise slow the first requests after a restore; the bound keeps a steady load from starving it
         of its larger graphs."""
         deadline = time.monotonic() + GRAPHS_STEP_ASIDE_S
-        while (not self.idle or (until_served and self._steps == 0)) and time.monotonic() < deadline:
+        while ((not self.idle or (until_served and self._steps == 0)) and time.monotonic() < deadline
+               and not self._graphs_now.is_set()):
             time.sleep(0.002)
 
     @property
     def idle(self) -> bool:
         """No request scheduled and no step in flight."""
         return not self.scheduler.has_work() and self._in_flight is None and self._inbox.empty()
+
+    def finish_graphs(self) -> None:
+        """Build the graphs left for after ready now, without stepping aside, and return once they are built.
+        Before the engine's weights or KV cache are given back (a multi-model pool evicting it): loading
+        their kernels runs the model's first layers, which must not read memory that is gone."""
+        if self._graphs_thread is not None and self._graphs_thread.is_alive():
+            self._graphs_now.set()
+            self._graphs_thread.join()
 
     def wait_for_graphs(self, timeout: float | None = None) -> bool:
         """Wait until the graphs left for after ready are built; False if `timeout` ran out first."""
