@@ -5,8 +5,9 @@ restore path was taken, why the faster ones were skipped, the order they were tr
 faas-build: which was fastest, by how much), how long each cold-start stage took (`timeline`)
 and when each ran (`stages`: seconds since spawn; stages overlap where work runs in parallel). With several
 models, `models` lists them and `pools` each device's pool: its free bytes and, per model, the bytes resident
-and retained there, loads, switches, the last switch's seconds and what its first start spent (the weight
-stream, the graphs, the kernels it loaded and how long the start waited for them).
+and retained there, loads, switches, the last switch's seconds and where they went (making room, backing the
+missing memory, streaming the weights) and what its first start spent (the weight stream, the graphs, the
+kernels it loaded and how long the start waited for them).
 """
 
 from __future__ import annotations
@@ -45,8 +46,15 @@ def _pool_report(stats) -> dict:
             "models": {name: {"resident_bytes": m.resident_bytes, "retained_bytes": m.retained_bytes,
                               "total_bytes": m.total_bytes, "kv_bytes": m.kv_bytes, "requests_in_flight": m.held,
                               "loads": m.loads, "switches": m.switches,
-                              "last_switch_s": m.last_switch_s, "first_start": _first_start(m.first_start)}
+                              "last_switch_s": m.last_switch_s, **_last_switch(m.last_switch),
+                              "first_start": _first_start(m.first_start)}
                        for name, m in stats.models.items()}}
+
+
+def _last_switch(report) -> dict:
+    """The parts of last_switch_s spent on memory (0 before any switch loaded bytes)."""
+    return {f"last_switch_{part}_s": getattr(report, f"{part}_s") if report is not None else 0.0
+            for part in ("evict", "map", "stream")}
 
 
 def _first_start(report) -> dict | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -20,6 +21,7 @@ class Counters:
     loads: int = 0  # activations that streamed bytes (the first start included)
     switches: int = 0  # activations that followed another model's on this pool
     last_switch_s: float = 0.0
+    last_switch: Any = None  # the pool's SwitchReport of that activation, the last one that loaded bytes
     bytes_loaded: int = 0
     switch_seconds: list[float] = field(default_factory=list)
 

@@ -43,6 +43,9 @@ class SwitchReport:
     bytes_resident: int  # weight bytes that were already in place
     bytes_evicted: int  # given back by other models (weights and idle KV caches)
     evicted: dict[str, int] = field(default_factory=dict)  # model -> bytes it gave back
+    # the parts of total_s spent on memory, in order: making room (waiting for the accounting lock, giving
+    # back other models' idle KV caches and the groups eviction chose), backing the model's missing groups and
+    # its first KV chunk, streaming the missing groups in verified (a first start: its weights stage)
     evict_s: float = 0.0
     map_s: float = 0.0
     stream_s: float = 0.0
@@ -66,6 +69,7 @@ class ModelStats:
     last_switch_s: float
     switch_seconds: tuple[float, ...]  # every activation that loaded bytes, for a histogram
     first_start: SwitchReport | None  # what the activation that started its engine did
+    last_switch: SwitchReport | None  # what the last activation that loaded bytes did (last_switch_s's)
 
 
 @dataclass(frozen=True)
@@ -189,6 +193,7 @@ class ModelPool:
                     m.counters.loads += 1
                     m.counters.bytes_loaded += report.bytes_loaded
                     m.counters.last_switch_s = report.total_s
+                    m.counters.last_switch = report
                     m.counters.switch_seconds.append(report.total_s)
             return report
 
@@ -393,7 +398,8 @@ class ModelPool:
             models = {
                 name: ModelStats(m.resident_bytes, m.resident_bytes if not m.held else 0, m.total_bytes,
                                  m.kv.mapped_bytes, m.held, m.counters.loads, m.counters.switches,
-                                 m.counters.last_switch_s, tuple(m.counters.switch_seconds), m.first_start)
+                                 m.counters.last_switch_s, tuple(m.counters.switch_seconds), m.first_start,
+                                 m.counters.last_switch)
                 for name, m in self._models.items()}
             used = self.budget_bytes - self._free()
         return PoolStats(str(self.device), self.budget_bytes, used, self.budget_bytes - used, models)

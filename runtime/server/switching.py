@@ -9,7 +9,8 @@ in flight to its last. A switch that cannot fit while other models' requests run
 finish and tries again; one that cannot fit on an idle device is refused (503).
 
 Each switch that moved bytes is timed into the switch histogram, logged, and recorded on the timeline as
-the `model_switch` stage (the latest one: the timeline is the instance's start, not a log).
+the `model_switch` stage (the latest one: the timeline is the instance's start, not a log), with where the
+pool's part of it went (`evict_s`, `map_s`, `stream_s`: SwitchReport).
 """
 
 from __future__ import annotations
@@ -143,9 +144,11 @@ class DeviceSlot:
             self.load_rate += _EWMA * (loaded / seconds - self.load_rate)
         self._metrics.switch_seconds.labels(model, self.device).observe(seconds)
         self._timeline.record(stages.MODEL_SWITCH, start, end, replace=True, model=model, device=self.device,
-                              bytes=loaded, evicted_bytes=report.bytes_evicted)
-        log.info("switched %s to %s in %.3f s: %.1f MiB loaded, %.1f MiB of other models evicted", self.device,
-                 model, seconds, loaded / (1 << 20), report.bytes_evicted / (1 << 20))
+                              bytes=loaded, evicted_bytes=report.bytes_evicted, evict_s=round(report.evict_s, 6),
+                              map_s=round(report.map_s, 6), stream_s=round(report.stream_s, 6))
+        log.info("switched %s to %s in %.3f s: %.1f MiB loaded, %.1f MiB of other models evicted (evict %.3f s, "
+                 "map %.3f s, stream %.3f s)", self.device, model, seconds, loaded / (1 << 20),
+                 report.bytes_evicted / (1 << 20), report.evict_s, report.map_s, report.stream_s)
 
     def count_load(self, model: str, report: "SwitchReport") -> None:
         self._metrics.loaded_bytes.labels(model, self.device).inc(report.bytes_loaded)

@@ -151,6 +151,9 @@ def test_a_pool_too_small_for_all_evicts_and_reloads_with_the_same_outputs(tight
     models = http_get(tight, "/health")["pools"]["cpu"]["models"]
     assert sum(m["loads"] for m in models.values()) > len(MODELS)  # evicted by the others, then loaded again
     assert all(m["switches"] >= 2 for m in models.values())
+    for m in models.values():  # where each model's last load went: room made, memory backed, weights streamed
+        parts = [m[f"last_switch_{part}_s"] for part in ("evict", "map", "stream")]
+        assert min(parts) >= 0 and m["last_switch_stream_s"] > 0 and sum(parts) <= m["last_switch_s"], m
     # requests for a model that is not resident, arriving together, wait for one switch
     missing = next(name for name, m in models.items() if m["resident_bytes"] < m["total_bytes"])
     with ThreadPoolExecutor(3) as pool:
