@@ -3,6 +3,7 @@ child process, real servers). Structure and what each number must satisfy are as
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections import Counter
 from pathlib import Path
@@ -10,9 +11,13 @@ from pathlib import Path
 import pytest
 
 from runtime.bench.multi_trace import zipf_models
-from runtime.bench.switch import classify, probe_targets
+from runtime.bench.switch import InstanceProbe, classify, in_instance, probe_targets
 from runtime.bench.switch_first import boot_order
-from runtime.bench.switch_models import BenchModel, parse_shapes
+from runtime.bench.switch_models import BenchModel, layout_bytes, parse_shapes
+from runtime.bench.switch_partial import (PartialUnreachable, filler, measure_partial, partial_budget, probe_partial,
+                                          size_partial)
+from tests.pool.helpers import make_layout
+from tests.server.test_multi_model import served_text
 from tests.test_bench import PNG_MAGIC, faas_bench
 
 
@@ -34,6 +39,48 @@ def test_shapes_zipf_and_targets():
     # an instance starts its first model at boot: a model that is no B, so each B's first request starts it
     assert [m.name for m in boot_order(models, probe_targets(models))] == ["q1", "l1", "q0", "l0"]
     assert [classify(f) for f in (1.0, 0.5, 0.0)] == ["retained", "partial", "evicted"]
+    # the partial state's filler: the smallest model at least as large as B, else the largest
+    assert [filler(b, models).name for b in models] == ["q1", "q0", "l1", "l0"]
+    assert filler(models[2], models[:3]).name == "q0"  # none as large as l0: the largest other, first of equals
+
+
+PROMPT = [3, 17, 42, 99, 5, 250, 7]
+
+
+def test_partial_probe_leaves_part_of_b_which_then_answers_as_alone(tiny_model, tmp_path):
+    """The bench's own sizing and budget, on two tiny models whose layouts have small chunks (several
+    groups each): B partly retained when its request arrives, its output exactly transformers' greedy one,
+    and /health's account of that switch."""
+    b, f = [BenchModel(preset, preset, 0, Path(tiny_model(preset)), layout, layout_bytes(layout))
+            for preset in ("tiny-llama", "tiny-qwen2")
+            for layout in [make_layout(tiny_model(preset), tmp_path / preset)]]
+    settings = {"DEVICE": "cpu", "MAX_MODEL_LEN": "256", "MAX_NUM_SEQS": "4"}
+
+    async def probe():
+        partial, budget = await size_partial(settings, "cpu", b, f, PROMPT, tmp_path / "logs", 120)
+
+        async def work(instance):  # the bench's probe, its requests asking for ten tokens
+            ten = InstanceProbe(instance.client, instance.url, PROMPT, 120, max_tokens=10)
+            row = await measure_partial(ten, b, f)
+            return row, ten.outputs[b.name], await ten.health()
+
+        return budget, await in_instance("cold", partial, PROMPT, tmp_path / "logs" / "partial.log", 120, work)
+
+    budget, (row, text, health) = asyncio.run(probe())
+    pool = health["pools"]["cpu"]
+    assert abs(pool["budget_bytes"] - budget) <= 1
+    assert row.status == "ok" and row.previous == f.name and 0 < row.retained_fraction < 1, row
+    assert text == served_text(str(b.hf_dir), PROMPT, 10)
+    m = pool["models"][b.name]
+    assert m["resident_bytes"] == m["total_bytes"] and m["loads"] == 2  # its start, then the partial reload
+    assert abs(row.bytes_loaded / m["total_bytes"] - (1 - row.retained_fraction)) < 1e-4  # what was missing
+    parts = [m[f"last_switch_{part}_s"] for part in ("evict", "map", "stream")]
+    assert min(parts) >= 0 and parts[2] > 0 and sum(parts) <= m["last_switch_s"]
+    assert [row.switch_s, row.evict_s, row.map_s, row.stream_s] == [round(v, 6) for v in [m["last_switch_s"], *parts]]
+    assert row.ttft_s > 0 and row.active_ttft_s > 0
+    (switch,) = [s for s in health["stages"] if s["stage"] == "model_switch"]  # the latest switch: B's
+    assert switch["detail"]["model"] == b.name and switch["detail"]["bytes"] == row.bytes_loaded
+    assert [switch["detail"][f"{part}_s"] for part in ("evict", "map", "stream")] == [round(v, 6) for v in parts]
 
 
 def test_bad_shapes_stop_the_bench_with_one_line(tmp_path):
@@ -62,6 +109,14 @@ def test_switch_smoke_on_cpu(tmp_path):
         assert p["model"] == "tiny-0" and p["previous"] == "tiny-1" and p["ttft_s"] > 0
         assert (p["retained_fraction"] == 1.0) == (p["state"] == "retained")
         assert (p["bytes_loaded"] > 0) == (p["state"] != "retained")
+        parts = [p["evict_s"], p["map_s"], p["stream_s"]]  # where the pool's activation of B went
+        if p["bytes_loaded"]:
+            assert min(parts) >= 0 and p["stream_s"] > 0 and sum(parts) <= p["switch_s"], p
+        else:
+            assert parts == [None] * 3 and p["switch_s"] is None
+    partial = probes[1]  # in an instance of its own, whose budget leaves part of B when its filler is served
+    assert partial["status"] == "ok" and 0 < partial["retained_fraction"] < 1, partial
+    assert 0 < partial["bytes_loaded"] < latency["models"][0]["nbytes"]
     evicted = probes[2]  # reached by the cost model, or else by whole-model eviction in a second instance
     assert evicted["status"] == "ok" and evicted["retained_fraction"] == 0.0, evicted
     assert evicted["bytes_loaded"] == latency["models"][0]["nbytes"] and evicted["eviction"] in ("cost", "lru")
@@ -92,6 +147,31 @@ def test_switch_smoke_on_cpu(tmp_path):
     assert (out / "switch.png").read_bytes().startswith(PNG_MAGIC)
     table = (out / "switch.md").read_text()
     assert "| tiny-0 | beside |" in table and "| tiny-0 | restored | skipped: materialized snapshots need" in table
-    assert "| B | state |" in table and "| pool | 4 |" in table and "| per-model | 4 |" in table
+    assert "| B | state | retained | B's first token (s) | B active (s) | switch (s) | evict (s) | map (s) | " \
+        "stream (s) |" in table and "| tiny-0 | partial |" in table
+    assert "| pool | 4 |" in table and "| per-model | 4 |" in table
     assert "| pool-fixed | 4 | cpu:1 |" in table
     assert "trace pool at 4/s:" in done.stderr  # progress
+
+
+def test_a_b_of_one_group_cannot_be_partly_retained_and_the_row_says_so(tiny_model, tmp_path):
+    """B served from its Hugging Face directory is one group: what F's activation evicts of it is all of it."""
+    hf = Path(tiny_model("tiny-llama"))
+    b = BenchModel("whole", "tiny-llama", 0, hf, hf, sum(f.stat().st_size for f in hf.glob("*.safetensors")))
+    layout = make_layout(tiny_model("tiny-qwen2"), tmp_path / "f")
+    f = BenchModel("f", "tiny-qwen2", 1, layout, layout, layout_bytes(layout))
+    row = asyncio.run(probe_partial({"DEVICE": "cpu", "MAX_MODEL_LEN": "256", "MAX_NUM_SEQS": "4"}, "cpu", b, f,
+                                    PROMPT, tmp_path / "logs", 120))
+    assert (row.state, row.status, row.retained_fraction, row.ttft_s) == ("partial", "skipped", 0.0, None)
+    assert row.reason.startswith("whole was evicted (0% retained) after f was made resident") and \
+        "whole groups" in row.reason
+
+
+def test_the_partial_budget_needs_both_models_whole_in_the_sizing_pool():
+    models = {"b": {"resident_bytes": 100, "total_bytes": 100, "kv_bytes": 10},
+              "f": {"resident_bytes": 60, "total_bytes": 60, "kv_bytes": 5}}
+    pool = {"budget_bytes": 1000, "free_bytes": 700, "models": models}
+    assert partial_budget(pool, "b", "f") == 300 - 10 - 30  # less B's KV cache, less half the smaller model
+    models["f"]["resident_bytes"] = 30
+    with pytest.raises(PartialUnreachable, match="did not keep all of f"):
+        partial_budget(pool, "b", "f")

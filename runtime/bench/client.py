@@ -22,6 +22,7 @@ class RequestTiming:
     prompt_tokens: int | None = None
     completion_tokens: int = 0
     error: str | None = None
+    text: str = ""  # the completion
 
     @property
     def ok(self) -> bool:
@@ -75,6 +76,7 @@ def _take_event(timing: RequestTiming, line: str) -> None:
     choices = chunk.get("choices", ())
     if timing.first_token_at is None and any(c.get("text") or c.get("logprobs") for c in choices):
         timing.first_token_at = time.time()
+    timing.text += "".join(c.get("text") or "" for c in choices)
     if chunk.get("usage"):
         timing.prompt_tokens = chunk["usage"]["prompt_tokens"]
         timing.completion_tokens = chunk["usage"]["completion_tokens"]

@@ -2,14 +2,15 @@
 while A is active (A served the last request), timed to B's first token, with B in three states:
 
 - retained: every byte of B still in the pool (B served a request before A, and nothing evicted it);
-- partial: some of B's weight groups evicted by the models served since;
+- partial: some of B's weight groups evicted (switch_partial.py reaches it in an instance of its own);
 - evicted: none of B left.
 
-A state is reached by serving other models (each one request) until B's share in the pool, read from
-/health, is in that state; a state the pool's eviction never produces (the cost model may keep a part of B
+Retained and evicted are reached by serving other models (each one request) until B's share in the pool, read
+from /health, is in that state; a state the pool's eviction never produces (the cost model may keep a part of B
 that other models never need) is reported as skipped with what happened. The evicted state is then probed
-again in an instance with POOL_EVICTION=lru, which drops whole models (`eviction` says which policy got it). Each probe also times B's request with B already active (no switch), so
-the switch's own cost is the difference.
+again in an instance with POOL_EVICTION=lru, which drops whole models (`eviction` says which policy got it).
+Each probe also times B's request with B already active (no switch), so the switch's own cost is the
+difference, and reads from /health where the pool's activation of B spent its time.
 """
 
 from __future__ import annotations
@@ -45,6 +46,11 @@ class SwitchProbe:
     ttft_s: float | None = None  # B's request, sent -> first token, A active
     active_ttft_s: float | None = None  # the same request with B active: no switch
     switch_s: float | None = None  # the pool's activation of B (/health: last_switch_s) when it loaded bytes
+    # of switch_s (/health: last_switch_evict_s, _map_s, _stream_s): making room (other models' memory given
+    # back), backing B's missing groups, streaming them in verified
+    evict_s: float | None = None
+    map_s: float | None = None
+    stream_s: float | None = None
     bytes_loaded: int = 0
     gib_per_s: float | None = None  # bytes_loaded / switch_s
 
@@ -52,15 +58,19 @@ class SwitchProbe:
 class InstanceProbe:
     """Requests and /health reads against one running several-model instance."""
 
-    def __init__(self, client: httpx.AsyncClient, url: str, prompt: Prompt, timeout_s: float) -> None:
+    def __init__(self, client: httpx.AsyncClient, url: str, prompt: Prompt, timeout_s: float,
+                 max_tokens: int = 1) -> None:
         self.client, self.url, self.prompt, self.timeout_s = client, url, prompt, timeout_s
+        self.max_tokens = max_tokens
+        self.outputs: dict[str, str] = {}  # model -> the text of its last request
 
     async def request(self, model: str) -> float:
-        """One request for `model` (one token); returns its TTFT."""
-        timing = await stream_completion(self.client, self.url, self.prompt, 1, self.timeout_s, every_token=True,
-                                         model=model)
+        """One greedy request for `model` (max_tokens, one by default); returns its TTFT."""
+        timing = await stream_completion(self.client, self.url, self.prompt, self.max_tokens, self.timeout_s,
+                                         every_token=True, model=model)
         if not timing.ok:
             raise BenchError(f"a request for {model} failed: {timing.error}")
+        self.outputs[model] = timing.text
         return timing.first_token_at - timing.sent_at
 
     async def health(self) -> dict:
@@ -68,8 +78,12 @@ class InstanceProbe:
 
     async def pool_model(self, model: str) -> dict:
         """`model`'s entry of /health's pools on the device that holds most of it."""
-        entries = self._entries(await self.health(), model)
-        return max(entries, key=lambda m: m["resident_bytes"])  # the device the request would go to
+        return (await self.pool_of(model))["models"][model]
+
+    async def pool_of(self, model: str) -> dict:
+        """/health's pool of the device that holds most of `model` (the device its request would go to)."""
+        pools = [pool for pool in (await self.health())["pools"].values() if model in pool["models"]]
+        return max(pools, key=lambda pool: pool["models"][model]["resident_bytes"])
 
     async def first_start(self, model: str) -> dict | None:
         """What `model`'s engine start spent (/health `first_start`), None while it never started."""
@@ -105,7 +119,7 @@ async def probe(instance: InstanceProbe, b: BenchModel, a: BenchModel, others: l
         fraction = entry["resident_bytes"] / entry["total_bytes"]
         got = classify(fraction)
         if got == state:
-            return await _measure(instance, result, fraction, entry)
+            return await measure(instance, result, fraction, entry)
         if STATES.index(got) > STATES.index(state):
             result.status, result.reason = "skipped", (
                 f"{b.name} was {got} ({fraction:.0%} retained) already after {a.name}" if step == 0 else
@@ -124,7 +138,9 @@ def classify(fraction: float) -> str:
     return "retained" if fraction >= 1.0 else ("evicted" if fraction <= 0.0 else "partial")
 
 
-async def _measure(instance: InstanceProbe, result: SwitchProbe, fraction: float, before: dict) -> SwitchProbe:
+async def measure(instance: InstanceProbe, result: SwitchProbe, fraction: float, before: dict) -> SwitchProbe:
+    """B's request, with FRACTION of B retained (BEFORE: B's pool entry): its TTFT and, if it loaded bytes,
+    the pool's activation of B."""
     result.retained_fraction = round(fraction, 4)
     log.info("switch: %s -> %s with %.0f%% of %s retained", result.previous, result.model, fraction * 100,
              result.model)
@@ -132,12 +148,15 @@ async def _measure(instance: InstanceProbe, result: SwitchProbe, fraction: float
     after = await instance.pool_model(result.model)
     if after["loads"] > before["loads"]:
         result.switch_s = round(after["last_switch_s"], 6)
+        result.evict_s, result.map_s, result.stream_s = (round(after[f"last_switch_{part}_s"], 6)
+                                                         for part in ("evict", "map", "stream"))
         result.bytes_loaded = before["total_bytes"] - before["resident_bytes"]
         if result.switch_s > 0:
             result.gib_per_s = round(result.bytes_loaded / result.switch_s / 2**30, 3)
-    log.info("switch: %s's first token %.3f s after its request (%.3f s with it active), %.1f MiB loaded in %s s",
-             result.model, result.ttft_s, result.active_ttft_s, result.bytes_loaded / 2**20,
-             result.switch_s if result.switch_s is not None else "-")
+    log.info("switch: %s's first token %.3f s after its request (%.3f s with it active), %.1f MiB loaded in %s s "
+             "(evict %s s, map %s s, stream %s s)", result.model, result.ttft_s, result.active_ttft_s,
+             result.bytes_loaded / 2**20, *("-" if v is None else v for v in
+                                           (result.switch_s, result.evict_s, result.map_s, result.stream_s)))
     return result
 
 

@@ -1,7 +1,7 @@
-"""`faas-bench switch`: several models in one instance. The switch latency probes (switch.py) beside a fresh
-instance of B on its fastest restore path and B loaded by transformers (coldstart.py), B's first activations
-(switch_first.py), then the multi-model trace (multi_trace.py). Writes switch-latency.json,
-multi-model-trace.json, switch.md and switch.png."""
+"""`faas-bench switch`: several models in one instance. The switch latency probes (switch.py; the partial state
+in switch_partial.py) beside a fresh instance of B on its fastest restore path and B loaded by transformers
+(coldstart.py), B's first activations (switch_first.py), then the multi-model trace (multi_trace.py). Writes
+switch-latency.json, multi-model-trace.json, switch.md and switch.png."""
 
 from __future__ import annotations
 
@@ -22,18 +22,19 @@ from runtime.bench.prompt import PromptMaker
 from runtime.bench.records import BASELINE_MODE, ModeResult
 from runtime.bench.report import provenance, write_json
 from runtime.bench.switch import STATES, SwitchProbe, in_instance, probe, probe_targets
+from runtime.bench.switch_budget import GiB, default_pool_bytes, gpu_memory_bytes, pool_budget
 from runtime.bench.switch_first import (FirstActivationProbe, boot_order, first_activations, first_table,
                                         model_setting, separate_instances)
 from runtime.bench.switch_models import BenchModel, make_models
+from runtime.bench.switch_partial import filler, probe_partial
 from runtime.bench.workload import WorkloadShape, make_workload
 from runtime.logs import get_logger
 from runtime.server.routing import POLICIES
 
 log = get_logger("bench")
 
-GiB = 1 << 30
-#: what the CUDA context and the engines' own buffers take beside the pool, kept out of its budget
-_CUDA_MARGIN = 2 * GiB
+#: the states probed in the instance of every model; the partial one has instances of its own (switch_partial.py)
+SHARED_STATES = ("retained", "evicted")
 
 
 async def run_switch_command(args: argparse.Namespace, settings: dict[str, str]) -> int:
@@ -43,7 +44,7 @@ async def run_switch_command(args: argparse.Namespace, settings: dict[str, str])
     models_dir = args.models_dir or args.out / "models"
     log.info("switch: making %s in %s", ", ".join(f"{n} x {s}" for s, n in args.shapes), models_dir)
     models = make_models(args.shapes, models_dir, int(args.chunk_mb * 2**20), log_dir)
-    pool_bytes = int(args.pool_gb * GiB) if args.pool_gb else default_pool_bytes(models)
+    pool_bytes = int(args.pool_gb * GiB) if args.pool_gb else default_pool_bytes([m.nbytes for m in models])
     device = settings.get("DEVICE", "auto")
     base = {**settings, "MODEL": model_setting(models),
             **pool_budget(pool_bytes, device)}
@@ -72,33 +73,6 @@ async def run_switch_command(args: argparse.Namespace, settings: dict[str, str])
     return 1 if failed else 0
 
 
-def default_pool_bytes(models: list[BenchModel]) -> int:
-    """Room for the largest model two and a half times (two models and their KV caches) or for 60% of all
-    the models, whichever is more: less than all of them, so that switches evict."""
-    return max(5 * max(m.nbytes for m in models) // 2, 3 * sum(m.nbytes for m in models) // 5)
-
-
-def pool_budget(pool_bytes: int, device: str) -> dict[str, str]:
-    """The settings that give the instance's pool `pool_bytes`: POOL_MEMORY_GB on the host; on a GPU the
-    GPU_MEMORY_UTILIZATION that leaves that much beside the CUDA context."""
-    total = _gpu_memory_bytes() if device != "cpu" else None
-    if total is None:
-        return {"POOL_MEMORY_GB": f"{pool_bytes / GiB:.6f}"}
-    share = (pool_bytes + _CUDA_MARGIN) / total
-    if share > 1:
-        raise BenchError(f"a pool of {pool_bytes / GiB:.1f} GiB does not fit the GPU's {total / GiB:.1f} GiB")
-    return {"GPU_MEMORY_UTILIZATION": f"{share:.4f}"}
-
-
-def _gpu_memory_bytes() -> int | None:
-    if shutil.which("nvidia-smi") is None:
-        return None
-    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True, timeout=20)
-    lines = out.stdout.split()
-    return int(lines[0]) * 2**20 if out.returncode == 0 and lines else None
-
-
 # -- switch latency ----------------------------------------------------------------------------------------
 
 async def _switch_latency(args, base: dict[str, str], models: list[BenchModel], prompts: PromptMaker,
@@ -106,23 +80,7 @@ async def _switch_latency(args, base: dict[str, str], models: list[BenchModel], 
                           ) -> tuple[list[SwitchProbe], list[FirstActivationProbe], dict[str, ModeResult]]:
     prompt = prompts.prompt(min(args.prompt_tokens, args.max_len // 2))  # B's one token must fit the context
     targets = probe_targets(models)
-    beside = targets if "beside" in args.first_kernels else []  # each B's first request, before its probes
-    firsts, probes = await _probe_states(
-        args, {**base, "MODEL": model_setting(boot_order(models, targets)), "POOL_EVICTION": "cost",
-               "POOL_KERNELS": "beside"}, prompt,
-        log_dir / "switch-instance.log", [(b, a, others, state) for b, a, others in targets for state in STATES],
-        beside)
-    device = settings.get("DEVICE", "auto")
-    firsts += await separate_instances(args, {**base, **_one_device(args.gpus, device)}, targets, prompt,
-                                       device != "cpu" and _gpu_memory_bytes() is not None, log_dir)
-    unreached = [i for i, p in enumerate(probes) if p.state == "evicted" and p.status != "ok"]
-    if unreached:  # whole-model eviction drops B entirely: the reload of all its bytes
-        _, again = await _probe_states(args, {**base, "POOL_EVICTION": "lru"}, prompt, log_dir / "switch-lru.log",
-                                       [(*targets[i // len(STATES)], "evicted") for i in unreached])
-        for i, retry in zip(unreached, again):
-            retry.eviction = "lru"
-            if retry.status == "ok":
-                probes[i] = retry
+    probes, firsts = await _probes(args, base, models, targets, prompt, settings.get("DEVICE", "auto"), log_dir)
     fresh = {}
     for b, _, _ in targets:
         log.info("switch: a fresh instance of %s (%s) and transformers", b.name, ", ".join(args.fresh_modes))
@@ -138,6 +96,33 @@ async def _switch_latency(args, base: dict[str, str], models: list[BenchModel], 
         for result in await run_coldstart(plan):
             fresh[f"{b.name}:{result.mode}"] = result
     return probes, firsts, fresh
+
+
+async def _probes(args, base: dict[str, str], models: list[BenchModel], targets, prompt, device: str,
+                  log_dir: Path) -> tuple[list[SwitchProbe], list[FirstActivationProbe]]:
+    """Each B's retained and evicted rows from the instance of every model (the evicted one again with
+    POOL_EVICTION=lru where the cost model did not reach it), its partial row from instances of its own, and
+    the first activations."""
+    beside = targets if "beside" in args.first_kernels else []  # each B's first request, before its probes
+    everyone = {**base, "MODEL": model_setting(boot_order(models, targets)), "POOL_EVICTION": "cost",
+                "POOL_KERNELS": "beside"}
+    firsts, shared = await _probe_states(args, everyone, prompt, log_dir / "switch-instance.log",
+                                         [(*target, state) for target in targets for state in SHARED_STATES], beside)
+    one = {**base, **_one_device(args.gpus, device)}
+    firsts += await separate_instances(args, one, targets, prompt, device != "cpu" and gpu_memory_bytes() is not None,
+                                       log_dir)
+    rows = {(p.model, p.state): p for p in shared}
+    for b, _, _ in targets:
+        rows[b.name, "partial"] = await probe_partial(one, device, b, filler(b, models), prompt, log_dir, args.timeout)
+    unreached = [(b, a, others) for b, a, others in targets if rows[b.name, "evicted"].status != "ok"]
+    if unreached:  # whole-model eviction drops B entirely: the reload of all its bytes
+        _, again = await _probe_states(args, {**base, "POOL_EVICTION": "lru"}, prompt, log_dir / "switch-lru.log",
+                                       [(*target, "evicted") for target in unreached])
+        for retry in again:
+            retry.eviction = "lru"
+            if retry.status == "ok":
+                rows[retry.model, "evicted"] = retry
+    return [rows[b.name, state] for b, _, _ in targets for state in STATES], firsts
 
 
 async def _probe_states(args, settings: dict[str, str], prompt, log_path: Path,
@@ -181,8 +166,8 @@ def _fastest_s(result: ModeResult) -> float | None:
 
 
 def probe_table(probes: list[SwitchProbe], fresh: dict[str, ModeResult]) -> str:
-    head = ["B", "state", "retained", "B's first token (s)", "B active (s)", "switch (s)", "loaded (MiB)",
-            "GiB/s", "fresh instance (s)", "transformers (s)"]
+    head = ["B", "state", "retained", "B's first token (s)", "B active (s)", "switch (s)", "evict (s)", "map (s)",
+            "stream (s)", "loaded (MiB)", "GiB/s", "fresh instance (s)", "transformers (s)"]
     rows = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for p in probes:
         fastest = [(k.split(":", 1)[1], _fastest_s(r)) for k, r in fresh.items()
@@ -196,7 +181,8 @@ def probe_table(probes: list[SwitchProbe], fresh: dict[str, ModeResult]) -> str:
             cells = [p.model, state, f"skipped: {p.reason}"] + [""] * (len(head) - 3)
         else:
             cells = [p.model, state, f"{p.retained_fraction:.0%}", f"{p.ttft_s:.3f}", f"{p.active_ttft_s:.3f}",
-                     _num(p.switch_s), f"{p.bytes_loaded / 2**20:.1f}", _num(p.gib_per_s, 1),
+                     _num(p.switch_s), _num(p.evict_s), _num(p.map_s), _num(p.stream_s),
+                     f"{p.bytes_loaded / 2**20:.1f}", _num(p.gib_per_s, 1),
                      f"{best[1]:.3f} ({best[0]})" if best else "-", _num(hf_s)]
         rows.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
     return "\n".join(rows)

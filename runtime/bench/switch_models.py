@@ -58,7 +58,7 @@ def make_models(shapes: list[tuple[str, int]], models_dir: Path, chunk_bytes: in
                for name, shape, seed, base, layout in planned if not _current_layout(layout)]
     if missing:
         _make(missing, log_dir / "make-models.log")
-    return [BenchModel(name, shape, seed, base, layout, _layout_bytes(layout))
+    return [BenchModel(name, shape, seed, base, layout, layout_bytes(layout))
             for name, shape, seed, base, layout in planned]
 
 
@@ -77,7 +77,7 @@ def _current_layout(layout: Path) -> bool:
     return False
 
 
-def _layout_bytes(layout: Path) -> int:
+def layout_bytes(layout: Path) -> int:
     return sum(f["size"] for f in json.loads((layout / "manifest.json").read_text())["files"])
 
 
