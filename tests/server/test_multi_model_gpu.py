@@ -82,10 +82,11 @@ def test_baked_pooled_graphs_are_restored_at_each_models_first_start(tmp_path, t
         assert srv.stop() == 0
     assert "captured live" not in srv.log(), srv.log()[-3000:]
 
-    # A pool short of half the smaller model: each switch evicts part of the other model, which may still be
-    # building the graphs it left for after ready (all but batch size 1's) and loading their kernels
+    # A pool short of a KV cache and half the smaller model's weights: each switch evicts the other model's KV
+    # cache and weights, while it may still be building the graphs it left for after ready (all but batch
+    # size 1's) and loading their kernels
     used = pool["budget_bytes"] - pool["free_bytes"]
-    short = min(m["total_bytes"] for m in pool["models"].values()) // 2
+    short = min(m["total_bytes"] // 2 + m["kv_bytes"] for m in pool["models"].values())
     srv = start_server(tmp_path, "pooled-evicting", MODEL=served, SNAPSHOT_DIR=str(snapshots), API_KEY=API_KEY,
                        POOL_MEMORY_GB=f"{(used - short) / 2**30:.6f}", GRAPHS_BEFORE_READY="1", **pooled)
     try:
