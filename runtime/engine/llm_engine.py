@@ -28,6 +28,7 @@ from runtime.engine.cpu.threads import cpu_threads
 from runtime.engine.detokenizer import OutputText
 from runtime.engine.engine_config import EngineConfig
 from runtime.engine.grammar import GrammarCompiler
+from runtime.engine.graph_gate import GraphGate, GraphWorkStopped
 from runtime.engine.layers.linear import pack_linears
 from runtime.engine.model_config import ModelConfig
 from runtime.engine.model_runner import KVProfile, ModelRunner, PendingTokens
@@ -131,7 +132,7 @@ class Engine:
         self.kv_profile: KVProfile | None = None
         self.graph_fallbacks: dict[int, str] = {}
         self._graphs_thread: threading.Thread | None = None
-        self._graphs_now = threading.Event()  # the graphs left for after ready stop stepping aside
+        self.graph_gate = GraphGate()  # when that graph work may touch the model's memory (a pool evicts it)
         self._device_lock = threading.Lock()
         self._device_span: tuple[float, float, dict] | None = None  # (start, end, the cuda_init stage's detail)
         self.ready = False
@@ -300,15 +301,22 @@ class Engine:
     def _restore_pending_graphs(self, restorer: GraphRestorer) -> None:
         use_device(self.runner.device)
         sizes = list(restorer.pending)
-        # the request that woke a scaled-to-zero function is usually waiting as the engine becomes ready
-        self._step_aside(until_served=True)
-        with self.timeline.stage(stages.GRAPHS_AFTER_READY, graphs=len(sizes)) as stage:
-            try:
-                fallbacks = restorer.restore_pending(self.runner, self._step_aside)
-            except Exception as exc:  # the engine keeps serving on the graphs it has
-                log.exception("restoring the remaining CUDA graphs failed")
-                fallbacks = {bs: str(exc) for bs in sizes if bs not in self.runner.graphs}
-            stage.detail.update(restorer.pending_timings)
+        try:
+            # the request that woke a scaled-to-zero function is usually waiting as the engine becomes ready
+            self._step_aside(until_served=True)
+            with self.timeline.stage(stages.GRAPHS_AFTER_READY, graphs=len(sizes)) as stage:
+                try:
+                    fallbacks = restorer.restore_pending(self.runner, self._step_aside)
+                except GraphWorkStopped:
+                    raise
+                except Exception as exc:  # the engine keeps serving on the graphs it has
+                    log.exception("restoring the remaining CUDA graphs failed")
+                    fallbacks = {bs: str(exc) for bs in sizes if bs not in self.runner.graphs}
+                stage.detail.update(restorer.pending_timings)
+        except GraphWorkStopped:
+            return  # shut down while its model was evicted
+        finally:
+            self.graph_gate.leave()
         for bs, why in fallbacks.items():
             log.warning("graph for batch size %d not restored (%s): its batches run on a larger graph or eagerly",
                         bs, why)
@@ -325,22 +333,15 @@ class Engine:
         otherwise slow the first requests after a restore; the bound keeps a steady load from starving it
         of its larger graphs."""
         deadline = time.monotonic() + GRAPHS_STEP_ASIDE_S
-        while ((not self.idle or (until_served and self._steps == 0)) and time.monotonic() < deadline
-               and not self._graphs_now.is_set()):
+        self.graph_gate.leave()
+        while (not self.idle or (until_served and self._steps == 0)) and time.monotonic() < deadline:
             time.sleep(0.002)
+        self.graph_gate.enter()
 
     @property
     def idle(self) -> bool:
         """No request scheduled and no step in flight."""
         return not self.scheduler.has_work() and self._in_flight is None and self._inbox.empty()
-
-    def finish_graphs(self) -> None:
-        """Build the graphs left for after ready now, without stepping aside, and return once they are built.
-        Before the engine's weights or KV cache are given back (a multi-model pool evicting it): loading
-        their kernels runs the model's first layers, which must not read memory that is gone."""
-        if self._graphs_thread is not None and self._graphs_thread.is_alive():
-            self._graphs_now.set()
-            self._graphs_thread.join()
 
     def wait_for_graphs(self, timeout: float | None = None) -> bool:
         """Wait until the graphs left for after ready are built; False if `timeout` ran out first."""
@@ -423,6 +424,7 @@ class Engine:
 
     def shutdown(self) -> None:
         """Stop the step loop and give the device memory back (the engine cannot be started again)."""
+        self.graph_gate.stop()
         self.wait_for_graphs()
         if self._thread is not None:
             self._inbox.put(("stop", None))

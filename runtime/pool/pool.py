@@ -180,6 +180,7 @@ class ModelPool:
                 m.held += 1  # its own memory is not a candidate while it loads
             try:
                 report = self._start(m) if first else self._reload(m)
+                self._engines[name].graph_gate.release()  # its graph work may touch its memory again
             finally:
                 with self._lock:
                     m.held -= 1
@@ -314,7 +315,7 @@ class ModelPool:
         """Give back an idle model's KV cache (every block is free when no request is in flight)."""
         if not m.kv.mapped_chunks:
             return 0
-        self._engines[m.name].finish_graphs()
+        self._engines[m.name].graph_gate.hold()
         self._engines[m.name].blocks.give_back()
         return m.kv.unmap_all()
 
@@ -353,7 +354,7 @@ class ModelPool:
                       else lru_whole_models(items, short, {o.name: o.last_used for o in idle}))
             for model in {i.model for i in chosen}:
                 o = self._models[model]
-                self._engines[model].finish_graphs()
+                self._engines[model].graph_gate.hold()
                 freed = o.unmap_groups([i.group for i in chosen if i.model == model])
                 short -= freed
                 self._note_evicted(report, o, freed)

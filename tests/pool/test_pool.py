@@ -1,6 +1,8 @@
 """Several tiny models in one pool whose budget cannot hold them all: each activation gives exactly the
 model's own output, evicted groups really give their memory back, and only missing groups stream again."""
 
+import time
+
 import pytest
 import torch
 
@@ -151,3 +153,74 @@ def test_lru_policy_evicts_whole_models(layouts, alone):
 def test_an_unknown_policy_is_refused():
     with pytest.raises(PoolError, match="eviction policy 'mru'"):
         ModelPool(torch.device("cpu"), 1 << 30, policy="mru")
+
+
+class PiecesOnTheWeights:
+    """The graph work left for after ready, as a materialised restore does it on a GPU: pieces that each read
+    the model's memory (there, by running its first layers: weights and KV block 0). Each piece notes whether
+    the model's memory was all there when it began."""
+
+    timings: dict = {}
+    pending_timings: dict = {}
+    before_weights = False
+
+    def __init__(self, pool: ModelPool, name: str, pieces: int) -> None:
+        self.pool, self.name, self.pieces = pool, name, pieces
+        self.pending = [2]
+        self.began_without_memory = 0
+        self.done = 0
+
+    def read_ahead(self) -> None:
+        pass
+
+    def restore_pending(self, runner, step_aside) -> dict:
+        for _ in range(self.pieces):
+            step_aside()
+            m = self.pool._models[self.name]  # no lock: an eviction holds the pool's while it waits for a piece
+            if len(m.resident) < len(m.groups) or not m.kv.mapped_chunks:
+                self.began_without_memory += 1
+            sum(float(p.float().sum()) for p in runner.model.parameters())
+            time.sleep(0.01)
+            self.done += 1
+        self.pending = []
+        return {}
+
+
+def evicted_mid_graph_work(layouts, alone) -> tuple[ModelPool, object, PiecesOnTheWeights]:
+    """A pool of A (with graph work left for after ready) and B, short of half a model: A served, its graph work
+    begun, then B's activation took A's KV cache and part of its weights."""
+    a, b = "tiny-llama", "tiny-qwen2"
+    sizes = needs({name: layouts[name] for name in (a, b)})
+    pool = ModelPool(torch.device("cpu"), sum(n for _, n in sizes.values()) - min(w for w, _ in sizes.values()) // 2)
+    pool.add(b, build(layouts[b]))
+    engine_a, work = build(layouts[a]), PiecesOnTheWeights(pool, a, pieces=40)
+    pool.add(a, engine_a, graph_restorer=work)
+    assert run(pool, a)[1] == alone[a]  # A served: its graph work starts, a piece every ~10 ms
+    deadline = time.monotonic() + 10
+    while not work.done and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert 0 < work.done < work.pieces
+    report, outputs = run(pool, b)
+    assert report.evicted.get("tiny-llama") and outputs == alone[b]
+    return pool, engine_a, work
+
+
+def test_an_eviction_pauses_the_models_graph_work_until_it_is_back(layouts, alone):
+    pool, engine_a, work = evicted_mid_graph_work(layouts, alone)
+    try:
+        paused_at = work.done
+        time.sleep(0.2)
+        assert work.done == paused_at  # no piece while A's memory is gone
+        assert run(pool, "tiny-llama")[1] == alone["tiny-llama"]
+        assert engine_a.wait_for_graphs(timeout=10)
+        assert work.done == work.pieces and work.began_without_memory == 0
+    finally:
+        pool.shutdown()
+
+
+def test_a_shutdown_ends_graph_work_waiting_for_its_evicted_model(layouts, alone):
+    pool, engine_a, work = evicted_mid_graph_work(layouts, alone)
+    started = time.monotonic()
+    pool.shutdown()
+    assert time.monotonic() - started < 5 and engine_a.wait_for_graphs(timeout=0)  # the paused work gave up
+    assert work.done < work.pieces and work.began_without_memory == 0
