@@ -160,12 +160,12 @@ class PiecesOnTheWeights:
     the model's memory (there, by running its first layers: weights and KV block 0). Each piece notes whether
     the model's memory was all there when it began."""
 
-    timings: dict = {}
-    pending_timings: dict = {}
     before_weights = False
 
     def __init__(self, pool: ModelPool, name: str, pieces: int) -> None:
         self.pool, self.name, self.pieces = pool, name, pieces
+        self.timings: dict[str, float] = {}
+        self.pending_timings: dict[str, float] = {}
         self.pending = [2]
         self.began_without_memory = 0
         self.done = 0
