@@ -12,8 +12,9 @@ from __future__ import annotations
 import threading
 
 
-class GraphWorkStopped(Exception):
-    """The engine shut down while its graph work waited for memory to come back."""
+class GraphWorkStopped(BaseException):
+    """The engine shut down while its graph work waited for memory to come back. Not an Exception: it is no
+    failure of the work, so what handles those (logging, falling back) lets it through."""
 
 
 class GraphGate:

@@ -307,8 +307,6 @@ class Engine:
             with self.timeline.stage(stages.GRAPHS_AFTER_READY, graphs=len(sizes)) as stage:
                 try:
                     fallbacks = restorer.restore_pending(self.runner, self._step_aside)
-                except GraphWorkStopped:
-                    raise
                 except Exception as exc:  # the engine keeps serving on the graphs it has
                     log.exception("restoring the remaining CUDA graphs failed")
                     fallbacks = {bs: str(exc) for bs in sizes if bs not in self.runner.graphs}

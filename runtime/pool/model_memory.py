@@ -20,8 +20,7 @@ from runtime.pool.kv import KVMemory
 class Counters:
     loads: int = 0  # activations that streamed bytes (the first start included)
     switches: int = 0  # activations that followed another model's on this pool
-    last_switch_s: float = 0.0
-    last_switch: Any = None  # the pool's SwitchReport of that activation, the last one that loaded bytes
+    last_switch: Any = None  # the pool's SwitchReport of the last activation that loaded bytes
     bytes_loaded: int = 0
     switch_seconds: list[float] = field(default_factory=list)
 

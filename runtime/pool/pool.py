@@ -66,10 +66,13 @@ class ModelStats:
     held: int  # requests in flight
     loads: int
     switches: int
-    last_switch_s: float
     switch_seconds: tuple[float, ...]  # every activation that loaded bytes, for a histogram
     first_start: SwitchReport | None  # what the activation that started its engine did
-    last_switch: SwitchReport | None  # what the last activation that loaded bytes did (last_switch_s's)
+    last_switch: SwitchReport | None  # what the last activation that loaded bytes did
+
+    @property
+    def last_switch_s(self) -> float:
+        return self.last_switch.total_s if self.last_switch is not None else 0.0
 
 
 @dataclass(frozen=True)
@@ -193,7 +196,6 @@ class ModelPool:
                 if report.bytes_loaded:
                     m.counters.loads += 1
                     m.counters.bytes_loaded += report.bytes_loaded
-                    m.counters.last_switch_s = report.total_s
                     m.counters.last_switch = report
                     m.counters.switch_seconds.append(report.total_s)
             return report
@@ -399,8 +401,7 @@ class ModelPool:
             models = {
                 name: ModelStats(m.resident_bytes, m.resident_bytes if not m.held else 0, m.total_bytes,
                                  m.kv.mapped_bytes, m.held, m.counters.loads, m.counters.switches,
-                                 m.counters.last_switch_s, tuple(m.counters.switch_seconds), m.first_start,
-                                 m.counters.last_switch)
+                                 tuple(m.counters.switch_seconds), m.first_start, m.counters.last_switch)
                 for name, m in self._models.items()}
             used = self.budget_bytes - self._free()
         return PoolStats(str(self.device), self.budget_bytes, used, self.budget_bytes - used, models)
