@@ -2,12 +2,16 @@
 multi-model pool does on a switch (runtime/pool, runtime/engine/vmm.py).
 
 A model's weights are split into segments (about one decoder layer each, and the 2 MiB granules two layers
-share). For the segments of SHAPE this times, over the whole model:
+share); a chunk of its KV cache is one granule in each of its planes (a plane per layer and keys or values:
+runtime/pool/kv.py). For the weight segments of SHAPE (rows `weights`) and for one KV chunk (rows `kv_chunk`)
+this times:
 
-- create_map:      cuMemCreate + cuMemMap + cuMemSetAccess per segment (new physical memory)
-- unmap_release:   a device synchronise + cuMemUnmap + cuMemRelease per segment (memory given back)
-- unmap_keep:      cuMemUnmap per segment after one synchronise (the physical memory kept for reuse)
-- map_kept:        cuMemMap + cuMemSetAccess of kept memory per segment (no cuMemCreate)
+- create_map:      cuMemCreate + cuMemMap + cuMemSetAccess per part (new physical memory)
+- unmap_release:   one device synchronise, then cuMemUnmap + cuMemRelease per part (memory given back, as the
+                   pool does it)
+- sync_each:       the same with a synchronise before each part
+- unmap_keep:      cuMemUnmap per part after one synchronise (the physical memory kept for reuse)
+- map_kept:        cuMemMap + cuMemSetAccess of kept memory per part (no cuMemCreate)
 
     python -m scripts.probe_vmm --shape qwen2-1.5b --repeat 5 --out vmm-h100.json
 """
@@ -41,6 +45,11 @@ def segment_sizes(shape: str, granule: int) -> list[int]:
     return sizes
 
 
+def kv_chunk_sizes(shape: str, granule: int) -> list[int]:
+    """One granule in each plane: 2 per decoder layer."""
+    return [granule] * (2 * SHAPES[shape]["num_hidden_layers"])
+
+
 def timed(fn) -> float:
     start = time.perf_counter()
     fn()
@@ -62,9 +71,11 @@ def one_round(sizes: list[int], device: int) -> dict[str, float]:
             map_range(base + off, n, h, device)
             handles.append(h)
 
-    def unmap_release() -> None:
+    def unmap_release(sync_each: bool = False) -> None:
+        call(d.cuCtxSynchronize(), "cuCtxSynchronize")
         for off, n, h in zip(offsets, sizes, handles):
-            call(d.cuCtxSynchronize(), "cuCtxSynchronize")
+            if sync_each:
+                call(d.cuCtxSynchronize(), "cuCtxSynchronize")
             call(d.cuMemUnmap(base + off, n), "cuMemUnmap")
             call(d.cuMemRelease(h), "cuMemRelease")
 
@@ -78,6 +89,8 @@ def one_round(sizes: list[int], device: int) -> dict[str, float]:
             map_range(base + off, n, h, device)
 
     out = {"create_map": timed(create_map), "unmap_release": timed(unmap_release)}
+    create_map()
+    out["sync_each"] = timed(lambda: unmap_release(sync_each=True))
     create_map()
     out["unmap_keep"] = timed(unmap_keep)
     out["map_kept"] = timed(map_kept)
@@ -99,13 +112,13 @@ def main() -> None:
     granule = granularity(allocation_prop(0))
     results = []
     for shape in args.shape or ["qwen2-1.5b", "llama-3-8b"]:
-        sizes = segment_sizes(shape, granule)
-        rounds = [one_round(sizes, 0) for _ in range(args.repeat)]
-        row = {"shape": shape, "segments": len(sizes), "bytes": sum(sizes),
-               **{k: statistics.median(r[k] for r in rounds) for k in rounds[0]}, "rounds": rounds}
-        results.append(row)
-        print(f"{shape}: {len(sizes)} segments, {sum(sizes) / 2**30:.2f} GiB; median of {args.repeat}: "
-              + ", ".join(f"{k} {row[k] * 1e3:.1f} ms" for k in rounds[0]), flush=True)
+        for what, sizes in (("weights", segment_sizes(shape, granule)), ("kv_chunk", kv_chunk_sizes(shape, granule))):
+            rounds = [one_round(sizes, 0) for _ in range(args.repeat)]
+            row = {"shape": shape, "what": what, "parts": len(sizes), "bytes": sum(sizes),
+                   **{k: statistics.median(r[k] for r in rounds) for k in rounds[0]}, "rounds": rounds}
+            results.append(row)
+            print(f"{shape} {what}: {len(sizes)} parts, {sum(sizes) / 2**20:.0f} MiB; median of {args.repeat}: "
+                  + ", ".join(f"{k} {row[k] * 1e3:.2f} ms" for k in rounds[0]), flush=True)
     report = {"device": torch.cuda.get_device_name(0), "driver": torch.version.cuda, "granule": granule,
               "repeat": args.repeat, "results": results}
     if args.out:

@@ -15,8 +15,8 @@ recently freed cached block is evicted.
 Under a multi-model pool (runtime/pool) the cache's memory comes on demand: only the blocks below
 `usable` are backed, and when none of them is free (cached ones counted as free) the manager asks its
 `KVCapacity` for more (the pool backs more of the cache, giving back retained weights of idle models if it
-must); when it gets none, the scheduler preempts as it does with a fixed cache. `give_back()` returns every
-block of an idle engine, and forgets what they cached.
+must); when it gets none, the scheduler preempts as it does with a fixed cache. `give_back(keep)` returns the
+blocks of an idle engine from `keep` on, and forgets what they cached.
 """
 
 from __future__ import annotations
@@ -123,13 +123,18 @@ class BlockManager:
             if key not in self._block_of:  # an equal block cached before stays the one found
                 self._block_of[key], self._key_of[block], self._tokens_of[block] = block, key, chunk
 
-    def give_back(self) -> None:
-        """Stop using every block (their memory is about to be given back): only when none is held."""
+    def give_back(self, keep: int = 0) -> None:
+        """Stop using every block from KEEP on (their memory is about to be given back): only when none is
+        held. What the blocks below KEEP cache stays cached."""
         if self.num_used:
             raise RuntimeError(f"{self.num_used} KV blocks are still held")
-        self.reset_prefix_cache()
-        self._empty.clear()
-        self._usable = self._reserved
+        keep = min(max(keep, self._reserved), self._usable)
+        for block in [b for b in self._evictable if b >= keep]:
+            del self._evictable[block]
+            del self._block_of[self._key_of.pop(block)]
+            del self._tokens_of[block]
+        self._empty = deque(b for b in self._empty if b < keep)
+        self._usable = keep
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (the blocks held stay held)."""

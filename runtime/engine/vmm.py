@@ -88,7 +88,7 @@ class _CudaArray:
 
 class MappedRange:
     """A reserved device address range whose parts are backed separately: `map(start, end)` puts new
-    physical memory under bytes [start, end) (granule-aligned), `unmap(start, end)` gives that memory back.
+    physical memory under each part [start, end) of a list (granule-aligned), `unmap(parts)` gives that memory back.
     The addresses never move, so views of the range (parameters, KV caches) and CUDA graphs that read it
     stay valid across an unmap and a map; what the part held is lost. A multi-model pool backs each
     model's weights and KV cache with one (runtime/pool)."""
@@ -113,27 +113,41 @@ class MappedRange:
             self._tensor = torch.as_tensor(_CudaArray(self.ptr, self.size, self), device=self._device)
         return self._tensor
 
-    def map(self, start: int, end: int) -> None:
-        if start % self.granule or end % self.granule or not 0 <= start < end <= self.size:
-            raise DriverError(f"map: bytes {start}-{end} are not whole granules of a {self.size}-byte range")
-        handle = call(self._driver.cuMemCreate(end - start, self._prop, 0), "cuMemCreate")
+    def map(self, parts: list[tuple[int, int]]) -> None:
+        """Put new physical memory under each part [start, end) (whole granules): all of them, or none if
+        one fails (the driver's error is raised)."""
+        for start, end in parts:
+            if start % self.granule or end % self.granule or not 0 <= start < end <= self.size:
+                raise DriverError(f"map: bytes {start}-{end} are not whole granules of a {self.size}-byte range")
+        done: list[tuple[int, int]] = []
         try:
-            map_range(self.ptr + start, end - start, handle, self.device_index)
+            for start, end in parts:
+                handle = call(self._driver.cuMemCreate(end - start, self._prop, 0), "cuMemCreate")
+                try:
+                    map_range(self.ptr + start, end - start, handle, self.device_index)
+                except DriverError:
+                    call(self._driver.cuMemRelease(handle), "cuMemRelease")
+                    raise
+                self._handles[start] = (end, handle)
+                done.append((start, end))
         except DriverError:
-            call(self._driver.cuMemRelease(handle), "cuMemRelease")
+            self.unmap(done)
             raise
-        self._handles[start] = (end, handle)
 
-    def unmap(self, start: int, end: int) -> None:
-        """Nothing may read the part any more: the device is synchronised first."""
-        mapped_end, handle = self._handles.pop(start)
-        if mapped_end != end:
-            raise DriverError(f"unmap: bytes {start}-{end}, but {start}-{mapped_end} were mapped")
-        torch.cuda.synchronize(self.device_index)
-        call(self._driver.cuMemUnmap(self.ptr + start, end - start), "cuMemUnmap")
-        call(self._driver.cuMemRelease(handle), "cuMemRelease")
+    def unmap(self, parts: list[tuple[int, int]]) -> None:
+        """Give back the memory under each part, as it was mapped. Nothing may read the parts any more: the
+        device is synchronised once, before the first (a synchronise per part costs more than the unmap)."""
+        for start, end in parts:
+            mapped_end = self._handles.get(start, (None,))[0]
+            if mapped_end != end:
+                raise DriverError(f"unmap: bytes {start}-{end}, but {start}-{mapped_end} were mapped")
+        if parts:
+            torch.cuda.synchronize(self.device_index)
+        for start, end in parts:
+            _, handle = self._handles.pop(start)
+            call(self._driver.cuMemUnmap(self.ptr + start, end - start), "cuMemUnmap")
+            call(self._driver.cuMemRelease(handle), "cuMemRelease")
 
     def close(self) -> None:
-        for start, (end, _) in list(self._handles.items()):
-            self.unmap(start, end)
+        self.unmap([(start, end) for start, (end, _) in self._handles.items()])
         call(self._driver.cuMemAddressFree(self.ptr, self.size), "cuMemAddressFree")

@@ -15,8 +15,8 @@ class Backing(Protocol):
     tensor: torch.Tensor  # flat uint8 over the whole range
     granule: int  # map and unmap take whole granules
 
-    def map(self, start: int, end: int) -> None: ...
-    def unmap(self, start: int, end: int) -> None: ...
+    def map(self, parts: list[tuple[int, int]]) -> None: ...  # each part [start, end), whole granules
+    def unmap(self, parts: list[tuple[int, int]]) -> None: ...
     def close(self) -> None: ...
 
 
@@ -27,11 +27,12 @@ class HostRange:
         self._map = mmap.mmap(-1, self.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
 
-    def map(self, start: int, end: int) -> None:
+    def map(self, parts: list[tuple[int, int]]) -> None:
         pass  # pages are made when first written
 
-    def unmap(self, start: int, end: int) -> None:
-        self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
+    def unmap(self, parts: list[tuple[int, int]]) -> None:
+        for start, end in parts:
+            self._map.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def close(self) -> None:
         self._map.madvise(mmap.MADV_DONTNEED, 0, self.size)  # the tensor may outlive us; its pages need not

@@ -57,20 +57,26 @@ class KVMemory:
 
     def map_chunks(self, count: int) -> None:
         """Back the first COUNT chunks (those not backed yet)."""
-        plane = self.num_blocks * self.block_plane_bytes
-        step = self.chunk_blocks * self.block_plane_bytes
-        for chunk in range(self.mapped_chunks, min(count, self.num_chunks)):
-            for p in range(self.planes):
-                self.backing.map(p * plane + chunk * step, p * plane + (chunk + 1) * step)
-            self.mapped_chunks = chunk + 1
+        count = min(count, self.num_chunks)
+        if count > self.mapped_chunks:
+            self.backing.map(self._parts(self.mapped_chunks, count))
+            self.mapped_chunks = count
+
+    def unmap_from(self, keep: int) -> int:
+        """Give back every chunk past the first KEEP; returns the bytes."""
+        if keep >= self.mapped_chunks:
+            return 0
+        freed = (self.mapped_chunks - keep) * self.chunk_bytes
+        self.backing.unmap(self._parts(keep, self.mapped_chunks))
+        self.mapped_chunks = keep
+        return freed
 
     def unmap_all(self) -> int:
-        """Give every chunk back; returns the bytes."""
+        return self.unmap_from(0)
+
+    def _parts(self, first: int, end: int) -> list[tuple[int, int]]:
+        """Chunks FIRST to END (excluded), each a part in every plane (a chunk is backed and given back on
+        its own)."""
         plane = self.num_blocks * self.block_plane_bytes
         step = self.chunk_blocks * self.block_plane_bytes
-        freed = self.mapped_bytes
-        for chunk in reversed(range(self.mapped_chunks)):
-            for p in range(self.planes):
-                self.backing.unmap(p * plane + chunk * step, p * plane + (chunk + 1) * step)
-            self.mapped_chunks = chunk
-        return freed
+        return [(p * plane + c * step, p * plane + (c + 1) * step) for c in range(first, end) for p in range(self.planes)]

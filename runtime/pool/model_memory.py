@@ -81,21 +81,18 @@ class ModelMemory:
         """Back the segments of groups INDICES that are not backed yet; the groups count as resident from
         here (their bytes arrive with the load that follows)."""
         after = self.resident | set(indices)
-        for s in self.segments:
-            if any(g in after for g in s.groups) and not any(g in self.resident for g in s.groups):
-                self.weights.map(s.start, s.end)
+        self.weights.map([(s.start, s.end) for s in self.segments
+                          if any(g in after for g in s.groups) and not any(g in self.resident for g in s.groups)])
         self.resident = after
 
     def unmap_groups(self, indices: list[int]) -> int:
         """Give back the memory of groups INDICES; returns the bytes given back."""
         after = self.resident - set(indices)
-        freed = 0
-        for s in self.segments:
-            if any(g in self.resident for g in s.groups) and not any(g in after for g in s.groups):
-                self.weights.unmap(s.start, s.end)
-                freed += s.nbytes
+        gone = [s for s in self.segments
+                if any(g in self.resident for g in s.groups) and not any(g in after for g in s.groups)]
+        self.weights.unmap([(s.start, s.end) for s in gone])
         self.resident = after
-        return freed
+        return sum(s.nbytes for s in gone)
 
     def chunks_of(self, indices: list[int]) -> frozenset[int]:
         return frozenset(c for i in indices for c in self.groups[i].chunks)

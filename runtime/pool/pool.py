@@ -313,13 +313,27 @@ class ModelPool:
             kv.map_chunks(min(target, kv.mapped_chunks + room))
             return max(usable, kv.mapped_chunks * kv.chunk_blocks)
 
-    def _drop_kv(self, m: ModelMemory) -> int:
-        """Give back an idle model's KV cache (every block is free when no request is in flight)."""
-        if not m.kv.mapped_chunks:
+    def _drop_kv(self, m: ModelMemory, keep: int = 0) -> int:
+        """Give back an idle model's KV cache past its first KEEP chunks (every block is free when no request
+        is in flight); returns the bytes."""
+        if m.kv.mapped_chunks <= keep:
             return 0
         self._engines[m.name].graph_gate.hold()
-        self._engines[m.name].blocks.give_back()
-        return m.kv.unmap_all()
+        self._engines[m.name].blocks.give_back(keep * m.kv.chunk_blocks)
+        return m.kv.unmap_from(keep)
+
+    def _drop_idle_kv(self, idle: list[ModelMemory], short: int, report: SwitchReport, whole: bool) -> int:
+        """Give back idle KV caches, least recently used first, until SHORT bytes are freed; returns what is
+        still short. A model whose weights are (partly) resident keeps its first chunk unless WHOLE: backing a
+        chunk again is one mapping per plane (56 for Qwen2-1.5B), more driver work than reloading as many
+        weight bytes."""
+        for o in idle:
+            if short <= 0:
+                break
+            freed = self._drop_kv(o, 0 if whole or not o.resident else 1)
+            short -= freed
+            self._note_evicted(report, o, freed)
+        return short
 
     def _make_room(self, need: int, m: ModelMemory, report: SwitchReport, back: Callable[[], None]) -> None:
         """Free NEED bytes for M if the pool is short, then BACK (map M's memory) in the same hold of the
@@ -337,19 +351,19 @@ class ModelPool:
     def _evict(self, short: int, incoming: ModelMemory, report: SwitchReport, strict: bool = True) -> None:
         """Free at least SHORT bytes from models without requests in flight, or raise PoolError (STRICT;
         else free what can be freed)."""
-        idle = [o for o in self._models.values()
-                if o is not incoming and not o.held and _is_idle(self._engines[o.name])]
-        for o in sorted(idle, key=lambda o: o.last_used):  # idle KV caches first: they hold nothing of value
+        idle = sorted((o for o in self._models.values()
+                       if o is not incoming and not o.held and _is_idle(self._engines[o.name])),
+                      key=lambda o: o.last_used)
+        while True:
+            # idle KV caches first: they hold nothing of value
+            short = self._drop_idle_kv(idle, short, report, whole=False)
             if short <= 0:
                 return
-            freed = self._drop_kv(o)
-            short -= freed
-            self._note_evicted(report, o, freed)
-        while short > 0:
             items = self._items(idle)
-            if not items and not strict:
-                return
             if not items:
+                short = self._drop_idle_kv(idle, short, report, whole=True)
+                if short <= 0 or not strict:
+                    return
                 raise PoolError(f"model {incoming.name!r} does not fit now: {_gib(short)} more are needed and the "
                                 "rest of the pool belongs to models with requests in flight")
             chosen = (evict_by_cost(items, short) if self.policy == "cost"

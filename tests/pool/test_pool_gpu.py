@@ -63,14 +63,14 @@ def test_mapped_range_gives_memory_back_and_keeps_addresses():
 
     r = MappedRange(64 << 20, torch.device("cuda"))
     g = r.granule
-    r.map(0, 16 * g)
+    r.map([(0, 8 * g), (8 * g, 16 * g)])
     r.tensor[: 16 * g].fill_(7)
-    r.map(16 * g, 32 * g)
+    r.map([(16 * g, 32 * g)])
     before = torch.cuda.mem_get_info()[0]
-    r.unmap(0, 16 * g)
+    r.unmap([(0, 8 * g), (8 * g, 16 * g)])
     assert torch.cuda.mem_get_info()[0] - before >= 16 * g
     address = r.tensor.data_ptr()
-    r.map(0, 16 * g)
+    r.map([(0, 16 * g)])
     r.tensor[: 16 * g].fill_(3)
     assert r.tensor.data_ptr() == address
     assert int(r.tensor[: 16 * g].sum()) == 3 * 16 * g

@@ -107,8 +107,10 @@ def test_an_idle_models_kv_cache_goes_back_before_any_weights(layouts, expected)
         grown = pool.stats().models["tiny-llama"].kv_bytes
         assert grown > 2 * llama.kv.chunk_bytes
         report = pool.activate("tiny-qwen2")
-        assert report.evicted == {"tiny-llama": grown}  # its KV cache only: its weights stay
-        assert pool.stats().models["tiny-llama"].resident_bytes == llama.total_bytes
+        # its KV cache past the first chunk only: its weights stay, and so does the chunk they run with
+        assert report.evicted == {"tiny-llama": grown - llama.kv.chunk_bytes}
+        kept = pool.stats().models["tiny-llama"]
+        assert (kept.resident_bytes, kept.kv_bytes) == (llama.total_bytes, llama.kv.chunk_bytes)
         assert serve(pool, "tiny-llama") == expected
     finally:
         pool.shutdown()
@@ -146,5 +148,38 @@ def test_two_models_serving_at_once_share_the_kv_memory_and_both_finish(layouts,
         assert got_qwen == qwen_expected
         stats = pool.stats()
         assert stats.used_bytes <= stats.budget_bytes
+    finally:
+        pool.shutdown()
+
+
+def test_a_partly_evicted_model_keeps_the_prefixes_cached_in_its_first_kv_chunk(layouts):
+    llama, qwen = sizes(layouts)
+    # the second model's activation evicts half of its weights' worth: the first model's KV past its first
+    # chunk and some of its weight groups
+    budget = (llama.total_bytes + 2 * llama.kv.chunk_bytes + qwen.total_bytes // 2 + qwen.kv.chunk_bytes
+              + SLACK)
+    pool = ModelPool(torch.device("cpu"), budget)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+
+    async def answer(engine, prompt):
+        outs = [o async for o in engine.generate(prompt, params)]
+        return [t for o in outs for t in o.token_ids], outs[-1].cached_tokens
+
+    try:
+        for name, layout in layouts.items():
+            pool.add(name, build(layout, **CONFIG))
+        block_size, first = pool.engine("tiny-llama").config.block_size, llama.kv.chunk_blocks
+        # its full blocks fill the first chunk past the reserved block 0; one more token opens the next chunk
+        prompt = [(7 * i + 3) % 200 for i in range((first - 1) * block_size + 1)]
+        pool.activate("tiny-llama")
+        tokens, cached = asyncio.run(answer(pool.engine("tiny-llama"), prompt))
+        assert cached == 0
+        report = pool.activate("tiny-qwen2")
+        kept = pool.stats().models["tiny-llama"]
+        assert 0 < kept.resident_bytes < llama.total_bytes, report
+        assert kept.kv_bytes == llama.kv.chunk_bytes
+        report = pool.activate("tiny-llama")
+        assert report.bytes_loaded > 0
+        assert asyncio.run(answer(pool.engine("tiny-llama"), prompt)) == (tokens, (first - 1) * block_size)
     finally:
         pool.shutdown()
