@@ -9,6 +9,8 @@ at them) and the loader streams the weights back in.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from runtime.cuda_driver import DriverError, allocation_prop, call, granularity, map_range, reserve
@@ -86,14 +88,52 @@ class _CudaArray:
                                          "version": 3, "strides": None}
 
 
-class MappedRange:
-    """A reserved device address range whose parts are backed separately: `map(start, end)` puts new
-    physical memory under each part [start, end) of a list (granule-aligned), `unmap(parts)` gives that memory back.
-    The addresses never move, so views of the range (parameters, KV caches) and CUDA graphs that read it
-    stay valid across an unmap and a map; what the part held is lost. A multi-model pool backs each
-    model's weights and KV cache with one (runtime/pool)."""
+class SpareMemory:
+    """Physical memory unmapped from a MappedRange and not released yet, by size: a later `map` of the same size
+    takes it instead of creating memory, and `release()` gives the rest to the driver. A multi-model pool
+    keeps an eviction's memory here for the incoming model and releases what that model did not take while
+    its weights stream (runtime/pool/pool.py): on the H100 creating and releasing cost about as much as the
+    mapping itself (scripts/probe_vmm.py)."""
 
-    def __init__(self, nbytes: int, device: torch.device) -> None:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_size: dict[int, list] = {}
+        self.nbytes = 0
+
+    def put(self, size: int, handle) -> None:
+        with self._lock:
+            self._by_size.setdefault(size, []).append(handle)
+            self.nbytes += size
+
+    def take(self, size: int):
+        """A spare handle of SIZE bytes, or None."""
+        with self._lock:
+            handles = self._by_size.get(size)
+            if not handles:
+                return None
+            self.nbytes -= size
+            return handles.pop()
+
+    def release(self) -> int:
+        """Give every spare handle back to the driver; returns the bytes."""
+        from cuda.bindings import driver
+
+        with self._lock:
+            spare, self._by_size, freed, self.nbytes = self._by_size, {}, self.nbytes, 0
+        for handles in spare.values():
+            for handle in handles:
+                call(driver.cuMemRelease(handle), "cuMemRelease")
+        return freed
+
+
+class MappedRange:
+    """A reserved device address range whose parts are backed separately: `map(parts)` puts physical memory
+    under each part [start, end) of a list (granule-aligned), `unmap(parts)` gives that memory back (to
+    SPARES, if given, else to the driver). The addresses never move, so views of the range (parameters, KV
+    caches) and CUDA graphs that read it stay valid across an unmap and a map; what the part held is lost.
+    A multi-model pool backs each model's weights and KV cache with one (runtime/pool)."""
+
+    def __init__(self, nbytes: int, device: torch.device, spares: SpareMemory | None = None) -> None:
         from cuda.bindings import driver
 
         self._driver = driver
@@ -102,6 +142,7 @@ class MappedRange:
         self.ptr, self.size = reserve(self._prop, nbytes)
         self.granule = granularity(self._prop)
         self._handles: dict[int, tuple[int, object]] = {}  # start -> (end, handle)
+        self._spares = spares
         self._device = device
         self._tensor: torch.Tensor | None = None
 
@@ -114,15 +155,16 @@ class MappedRange:
         return self._tensor
 
     def map(self, parts: list[tuple[int, int]]) -> None:
-        """Put new physical memory under each part [start, end) (whole granules): all of them, or none if
-        one fails (the driver's error is raised)."""
+        """Put physical memory under each part [start, end) (whole granules), a spare handle of its size or
+        new memory: all of them, or none if one fails (the driver's error is raised)."""
         for start, end in parts:
             if start % self.granule or end % self.granule or not 0 <= start < end <= self.size:
                 raise DriverError(f"map: bytes {start}-{end} are not whole granules of a {self.size}-byte range")
         done: list[tuple[int, int]] = []
         try:
             for start, end in parts:
-                handle = call(self._driver.cuMemCreate(end - start, self._prop, 0), "cuMemCreate")
+                handle = self._spares.take(end - start) if self._spares is not None else None
+                handle = self._create(end - start) if handle is None else handle
                 try:
                     map_range(self.ptr + start, end - start, handle, self.device_index)
                 except DriverError:
@@ -134,9 +176,17 @@ class MappedRange:
             self.unmap(done)
             raise
 
+    def _create(self, size: int):
+        try:
+            return call(self._driver.cuMemCreate(size, self._prop, 0), "cuMemCreate")
+        except DriverError:
+            if self._spares is None or not self._spares.release():  # spares of other sizes may hold the room
+                raise
+            return call(self._driver.cuMemCreate(size, self._prop, 0), "cuMemCreate")
+
     def unmap(self, parts: list[tuple[int, int]]) -> None:
         """Give back the memory under each part, as it was mapped. Nothing may read the parts any more: the
-        device is synchronised once, before the first (a synchronise per part costs more than the unmap)."""
+        device is synchronised once, before the first."""
         for start, end in parts:
             mapped_end = self._handles.get(start, (None,))[0]
             if mapped_end != end:
@@ -146,7 +196,10 @@ class MappedRange:
         for start, end in parts:
             _, handle = self._handles.pop(start)
             call(self._driver.cuMemUnmap(self.ptr + start, end - start), "cuMemUnmap")
-            call(self._driver.cuMemRelease(handle), "cuMemRelease")
+            if self._spares is not None:
+                self._spares.put(end - start, handle)
+            else:
+                call(self._driver.cuMemRelease(handle), "cuMemRelease")
 
     def close(self) -> None:
         self.unmap([(start, end) for start, (end, _) in self._handles.items()])

@@ -38,9 +38,10 @@ class HostRange:
         self._map.madvise(mmap.MADV_DONTNEED, 0, self.size)  # the tensor may outlive us; its pages need not
 
 
-def make_backing(nbytes: int, device: torch.device) -> Backing:
+def make_backing(nbytes: int, device: torch.device, spares=None) -> Backing:
+    """SPARES (runtime/engine/vmm.py's SpareMemory, CUDA only): where unmapped memory waits to be mapped again."""
     if device.type == "cuda":
         from runtime.engine.vmm import MappedRange
 
-        return MappedRange(nbytes, device)
+        return MappedRange(nbytes, device, spares)
     return HostRange(nbytes)

@@ -73,9 +73,9 @@ class ModelMemory:
 
     # -- backing -----------------------------------------------------------------------------------
 
-    def ensure_backing(self) -> None:
+    def ensure_backing(self, spares=None) -> None:
         if self.weights is None:
-            self.weights = make_backing(self.plan.total_bytes, self.device)
+            self.weights = make_backing(self.plan.total_bytes, self.device, spares)
 
     def map_groups(self, indices: list[int]) -> None:
         """Back the segments of groups INDICES that are not backed yet; the groups count as resident from

@@ -21,6 +21,7 @@ import torch
 from runtime import timeline as stages
 from runtime.cuda_driver.device import use_device
 from runtime.engine.kernels.loaded import loaded_specialisations
+from runtime.engine.vmm import SpareMemory
 from runtime.logs import get_logger
 from runtime.pool.backing import make_backing
 from runtime.pool.errors import PoolError
@@ -109,6 +110,8 @@ class ModelPool:
         self._switching = threading.Lock()  # one activation at a time: they share the device's bandwidth
         self._last_active: str | None = None
         self._granule = _granule(self.device)
+        # an eviction's physical memory, until the incoming model has mapped what it needs (CUDA)
+        self._spares = SpareMemory() if self.device.type == "cuda" else None
         self._headroom = 0
         # what torch's allocator held when the pool was made is outside its budget already (device_budget
         # takes the device's used memory off); only what it holds beyond that is charged to the pool
@@ -185,6 +188,7 @@ class ModelPool:
                 report = self._start(m) if first else self._reload(m)
                 self._engines[name].graph_gate.release()  # its graph work may touch its memory again
             finally:
+                self._release_spares()
                 with self._lock:
                     m.held -= 1
             report.total_s = time.perf_counter() - began
@@ -228,6 +232,7 @@ class ModelPool:
                 load = engine.weights_loader(engine.plan, engine.runner.weight_buffer, only=chunks)
             else:  # no layout: the loader can only fill the whole buffer (every segment is mapped)
                 load = engine.weights_loader(engine.plan, engine.runner.weight_buffer)
+            self._release_spares()  # what M did not take of the eviction's memory: beside the stream
             load.wait()
             return getattr(load, "bytes", engine.plan.total_bytes)
         except BaseException:
@@ -241,13 +246,14 @@ class ModelPool:
         kv_blocks = m.kv.size()
 
         def back() -> None:
-            m.ensure_backing()
+            m.ensure_backing(self._spares)
             m.map_groups(list(range(len(m.groups))))
             if m.kv.backing is None:
-                m.kv.backing = make_backing(kv_blocks * m.kv.block_bytes, m.device)
+                m.kv.backing = make_backing(kv_blocks * m.kv.block_bytes, m.device, self._spares)
             m.kv.map_chunks(1)
 
         self._make_room(m.total_bytes + m.kv.chunk_bytes, m, report, back)
+        self._release_spares()
         provider = _Provider(self, m)
         restorer = self._graph_restorers[m.name]
         # the KV cache first, the graphs restored or captured beside the weight stream; or the cold order:
@@ -311,7 +317,12 @@ class ModelPool:
                 self._evict(short, m, SwitchReport(m.name, False, 0, 0, 0), strict=False)
             room = max(0, self._free()) // kv.chunk_bytes
             kv.map_chunks(min(target, kv.mapped_chunks + room))
+            self._release_spares()
             return max(usable, kv.mapped_chunks * kv.chunk_blocks)
+
+    def _release_spares(self) -> None:
+        if self._spares is not None:
+            self._spares.release()
 
     def _drop_kv(self, m: ModelMemory, keep: int = 0) -> int:
         """Give back an idle model's KV cache past its first KEEP chunks (every block is free when no request
@@ -437,6 +448,7 @@ class ModelPool:
             m.resident.clear()
             m.kv.mapped_chunks = 0
             m.started = False
+        self._release_spares()
 
 
 class _Provider:

@@ -77,6 +77,28 @@ def test_mapped_range_gives_memory_back_and_keeps_addresses():
     r.close()
 
 
+def test_unmapped_memory_is_mapped_again_before_new_memory_is_made():
+    from runtime.engine.vmm import MappedRange, SpareMemory
+
+    spares = SpareMemory()
+    a, b = (MappedRange(64 << 20, torch.device("cuda"), spares) for _ in range(2))
+    g = a.granule
+    a.map([(0, 8 * g)])
+    a.tensor[: 8 * g].fill_(1)
+    free = torch.cuda.mem_get_info()[0]
+    a.unmap([(0, 8 * g)])
+    assert spares.nbytes == 8 * g
+    b.map([(0, 8 * g)])  # the spare memory, not new memory
+    assert spares.nbytes == 0 and abs(torch.cuda.mem_get_info()[0] - free) < g
+    b.tensor[: 8 * g].fill_(2)
+    assert int(b.tensor[: 8 * g].sum()) == 2 * 8 * g
+    b.unmap([(0, 8 * g)])
+    assert spares.release() == 8 * g
+    assert torch.cuda.mem_get_info()[0] - free >= 8 * g
+    a.close()
+    b.close()
+
+
 @pytest.mark.parametrize("proactive", [True, False], ids=["kernels-beside-stream", "kernels-after-stream"])
 def test_switches_keep_graphs_right_and_stream_only_missing_groups(layouts, proactive):
     alone = {}
