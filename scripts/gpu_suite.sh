@@ -11,7 +11,8 @@
 #   tests               every GPU-marked test (or those in $TEST_FILES); pytest's -rA output and junit XML
 #                       into $RESULTS
 #   model:SHAPE         a random-weight model directory of SHAPE in $MODELS (seed 0)
-#   bake:SHAPE          faas-build: its layout and every snapshot this machine can bake (timed in turns)
+#   bake:SHAPE          faas-build: its layout and every snapshot this machine can bake (timed in turns;
+#                       $BUILD_ARGS added, e.g. --snapshots process,gpu --time-restores 0)
 #   coldstart:SHAPE     faas-bench coldstart over every restore path and transformers, page cache warm
 #                       ($COLDSTART_MODES: other --modes, e.g. gpu,process,process-after,cold)
 #   coldstart-dropped:SHAPE   the same with the page cache dropped before each start, beside the disk's
@@ -20,6 +21,8 @@
 #                       the image files adds to a restore
 #   auto:SHAPE          faas-bootstrap with RESTORE=auto on the baked snapshots: the path it took and the
 #                       order faas-build measured (its /health), into $RESULTS/auto-h100-SHAPE.json
+#   trace:SHAPE         faas-bench trace on SHAPE's layout and snapshots ($TRACE_ARGS added: --modes, --rates,
+#                       --requests, --max-instances, ...), into $RESULTS/trace-h100-SHAPE[-$TRACE_NAME]
 #   serving:SHAPE       scripts/bench_serving.py (throughput, prefix caching, chunked prefill; $SERVING_ARGS added)
 #   probe               scripts/probe_cuda_start.py: the driver's load, cuInit, the context, first cuBLAS call
 #   switch              faas-bench switch (several models in one instance; $SWITCH_ARGS added)
@@ -79,8 +82,9 @@ bake() {
     [ -d "$dir" ] || model "$shape"
     rm -rf "$dir-baked"
     say "faas-build $shape"
+    # shellcheck disable=SC2086
     "$PY" -m snapshots.build --model "$dir" --out "$dir-baked/layout" --snapshot-dir "$dir-baked/snapshots" \
-        --quiet 2>&1 | tee "$RESULTS/bake-$shape.txt"
+        --quiet ${BUILD_ARGS:-} 2>&1 | tee "$RESULTS/bake-$shape.txt"
 }
 
 coldstart() {
@@ -134,6 +138,16 @@ asyncio.run(main(Path(sys.argv[1]), Path(sys.argv[2])))
 EOF
 }
 
+trace() {
+    local shape=$1 dir
+    dir=$(model_dir "$shape")
+    [ -d "$dir-baked" ] || bake "$shape"
+    say "faas-bench trace $shape"
+    # shellcheck disable=SC2086
+    "$PY" -m runtime.bench.cli trace --model "$dir-baked/layout" --snapshot-dir "$dir-baked/snapshots" \
+        --device cuda --out "$RESULTS/trace-h100-$shape${TRACE_NAME:+-$TRACE_NAME}" ${TRACE_ARGS:-}
+}
+
 serving() {
     local dir
     dir=$(model_dir "$1")
@@ -162,6 +176,7 @@ for step in "$@"; do
         coldstart-dropped:*) coldstart "${step#coldstart-dropped:}" dropped ;;
         auto:*) auto_start "${step#auto:}" ;;
         verify:*) verify "${step#verify:}" ;;
+        trace:*) trace "${step#trace:}" ;;
         serving:*) serving "${step#serving:}" ;;
         switch) switch ;;
         probe) say "probe_cuda_start"; "$PY" scripts/probe_cuda_start.py --out "$RESULTS/cuda-start-h100.json" ;;

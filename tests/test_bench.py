@@ -4,8 +4,10 @@ process), with real servers started per mode. Structure and sensible ordering ar
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -84,6 +86,8 @@ def test_trace_measures_ttft_including_the_cold_start_of_each_instance(tiny_mode
         assert point["requests"] == point["completed"] == len(point["ttfts_s"]) > 0
         assert point["error_count"] == 0
         assert 0 < point["ttft_p50_s"] <= point["ttft_p99_s"] <= max(point["ttfts_s"])
+        # the gaps between one streamed token and the next: far below a whole request's time to first token
+        assert 0 < point["itl_p50_s"] <= point["itl_p99_s"] < point["ttft_p99_s"]
         assert point["throughput_rps"] > 0 and point["output_tokens_per_s"] > 0
         assert 1 <= len(point["instances"]) <= 2
         assert all(i["restore_path"] == "cold" for i in point["instances"] if i["spawn_to_ready_s"])
@@ -93,7 +97,60 @@ def test_trace_measures_ttft_including_the_cold_start_of_each_instance(tiny_mode
     # at 3 requests/s three requests wait within 0.5 s, long before a first start ends: a second is started
     assert len(report["points"][1]["instances"]) == 2
     assert (tmp_path / "trace.png").read_bytes().startswith(PNG_MAGIC)
-    assert "| cold | 3 |" in done.stdout
+    assert "| cold | 3 |" in done.stdout and "p99 ITL (ms)" in done.stdout
+
+
+def _children(pid: int) -> set[int]:
+    return {int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def test_a_stopped_trace_keeps_its_finished_points_stops_its_servers_and_merges_with_another_run(tiny_model, tmp_path):
+    common = ["--model", tiny_model("tiny-llama"), "--device", "cpu", "--requests", "4", "--length-scale", "0.05",
+              "--max-instances", "1"]
+    first, second, merged = tmp_path / "cold", tmp_path / "process", tmp_path / "merged"
+    bench = subprocess.Popen([sys.executable, "-m", "runtime.bench.cli", "trace", *common, "--modes", "cold",
+                              "--rates", "4,5", "--out", str(first)], cwd=REPO, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not ((first / "logs" / "trace-cold-5").exists() and (servers := _children(bench.pid))):
+        assert bench.poll() is None and time.monotonic() < deadline, bench.communicate()
+        time.sleep(0.05)
+    bench.send_signal(signal.SIGTERM)  # what `timeout` sends: the second rate's server is starting or serving
+    _, err = bench.communicate(timeout=90)
+    assert bench.returncode == 128 + signal.SIGTERM and "stopped by SIGTERM" in err, err[-2000:]
+    assert not any(_alive(pid) for pid in servers)
+    report = json.loads((first / "trace.json").read_text())
+    assert [(p["mode"], p["rate"], p["status"], p["completed"]) for p in report["points"]] == [("cold", 4.0, "ok", 4)]
+
+    done = faas_bench("trace", *common, "--modes", "process", "--rates", "4", "--out", str(second))
+    assert done.returncode == 0, done.stderr[-3000:]
+    merge = [sys.executable, "scripts/merge_trace.py", str(first / "trace.json"), str(second / "trace.json")]
+    done = subprocess.run([*merge, "--out", str(merged)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    report = json.loads((merged / "trace.json").read_text())
+    assert [(p["mode"], p["rate"], p["status"]) for p in report["points"]] == [
+        ("cold", 4.0, "ok"), ("process", 4.0, "skipped")]
+    assert [part["argv"][part["argv"].index("--modes") + 1] for part in report["parts"]] == ["cold", "process"]
+    table = (merged / "trace.md").read_text()
+    assert table.count("`faas-bench trace ") == 2 and "| cold | 4 | 4 | 4 |" in table
+    assert (merged / "trace.png").read_bytes().startswith(PNG_MAGIC)
+
+    other_seed = json.loads((second / "trace.json").read_text()) | {"seed": 1}
+    (tmp_path / "other-seed.json").write_text(json.dumps(other_seed))
+    for parts, message in (([first / "trace.json", tmp_path / "other-seed.json"], "differ in seed"),
+                           ([first / "trace.json", first / "trace.json"], "is in both")):
+        done = subprocess.run([sys.executable, "scripts/merge_trace.py", *map(str, parts), "--out",
+                               str(tmp_path / "refused")], cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and message in done.stderr and done.stderr.count("\n") == 1, done.stderr
+        assert not (tmp_path / "refused").exists()
 
 
 @pytest.mark.parametrize("args, message", [
@@ -119,6 +176,8 @@ def test_workload_lengths_have_sharegpt_means_and_fit_the_context():
     assert all(r.prompt_tokens + r.output_tokens <= 2048 and r.output_tokens >= 1 for r in requests)
     shorter = make_workload(WorkloadShape(rate=50, duration_s=10, max_len=2048, seed=3))
     assert shorter == requests[:len(shorter)]  # seeded: the same trace, cut shorter
+    counted = make_workload(WorkloadShape(rate=50, duration_s=None, max_len=2048, seed=3, count=300))
+    assert counted == requests[:300]  # a number of requests instead of a duration: the same stream, cut there
 
 
 def test_overlapping_stages_are_drawn_on_separate_lanes_of_a_bar():

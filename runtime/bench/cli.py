@@ -7,9 +7,10 @@ import argparse
 import asyncio
 import importlib.util
 import os
+import signal
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Coroutine, Sequence
 
 from runtime.bench import BenchError
 from runtime.bench.records import ALL_MODES, FIRST_KERNELS, SERVER_MODES, VARIANTS
@@ -23,6 +24,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = _parser().parse_args(argv)
     args.argv = argv  # recorded beside the results
+    if args.command == "trace" and args.duration is None and args.requests is None:
+        args.duration = 60.0
     setup_logging("info")
     try:
         missing = [name for name in ("httpx", "matplotlib") if importlib.util.find_spec(name) is None]
@@ -32,17 +35,38 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "coldstart":
             from runtime.bench.coldstart_command import run_coldstart_command
 
-            return asyncio.run(run_coldstart_command(args, settings))
+            return _run_stoppable(run_coldstart_command(args, settings), args.out)
         if args.command == "switch":
             from runtime.bench.switch_command import run_switch_command
 
-            return asyncio.run(run_switch_command(args, settings))
+            return _run_stoppable(run_switch_command(args, settings), args.out)
         from runtime.bench.trace_command import run_trace_command
 
-        return asyncio.run(run_trace_command(args, settings))
+        return _run_stoppable(run_trace_command(args, settings), args.out)
     except (BenchError, ConfigError) as exc:
         print(f"faas-bench: {exc}", file=sys.stderr)
         return 2
+
+
+def _run_stoppable(command: Coroutine[Any, Any, int], out: Path) -> int:
+    """Run a command; SIGTERM or SIGINT (a time limit, Ctrl-C) cancels it, so that it unwinds through every
+    server's stop (each runs in its own process group, which the signal did not reach) and leaves none running.
+    Stopped so, it says what was kept and returns 128 + the signal's number, as a shell reports it."""
+    received: list[int] = []
+
+    async def run() -> int:
+        loop, task = asyncio.get_running_loop(), asyncio.current_task()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, lambda s=signum: (received.append(s), task.cancel()))
+        return await command
+
+    try:
+        return asyncio.run(run())
+    except asyncio.CancelledError:
+        if not received:
+            raise
+    print(f"faas-bench: stopped by {signal.Signals(received[0]).name}; what finished is under {out}", file=sys.stderr)
+    return 128 + received[0]
 
 
 def server_settings(args: argparse.Namespace) -> dict[str, str]:
@@ -134,7 +158,12 @@ def _parser() -> argparse.ArgumentParser:
     trace.add_argument("--modes", "--mode", type=_modes(SERVER_MODES), default=("cold",),
                        help=f"comma-separated, among {','.join(SERVER_MODES)} (default: cold)")
     trace.add_argument("--rates", type=_rates, default=(2.0, 10.0), help="requests per second (2,10)")
-    trace.add_argument("--duration", type=_positive(float), default=60.0, help="seconds of arrivals per rate (60)")
+    length = trace.add_mutually_exclusive_group()
+    length.add_argument("--duration", type=_positive(float), default=None,
+                        help="seconds of arrivals per rate (60 unless --requests is given)")
+    length.add_argument("--requests", type=_positive(int), default=None,
+                        help="arrivals per rate instead: the first N of the seeded Poisson stream, so every rate "
+                             "gets the same number of requests (its duration about N / rate)")
     trace.add_argument("--seed", type=int, default=0, help="seed of arrivals and lengths (0)")
     trace.add_argument("--prompt-mean", type=_positive(float), default=161.0, help="mean prompt tokens (161)")
     trace.add_argument("--output-mean", type=_positive(float), default=338.0, help="mean output tokens (338)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import httpx
 import orjson
@@ -23,6 +23,8 @@ class RequestTiming:
     completion_tokens: int = 0
     error: str | None = None
     text: str = ""  # the completion
+    #: when each chunk that carried a token arrived, the first included (one chunk per token with `every_token`)
+    token_times: list[float] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -74,8 +76,10 @@ def _take_event(timing: RequestTiming, line: str) -> None:
         timing.error = str(chunk["error"].get("message", chunk["error"]))
         return
     choices = chunk.get("choices", ())
-    if timing.first_token_at is None and any(c.get("text") or c.get("logprobs") for c in choices):
-        timing.first_token_at = time.time()
+    if any(c.get("text") or c.get("logprobs") for c in choices):
+        timing.token_times.append(time.time())
+        if timing.first_token_at is None:
+            timing.first_token_at = timing.token_times[0]
     timing.text += "".join(c.get("text") or "" for c in choices)
     if chunk.get("usage"):
         timing.prompt_tokens = chunk["usage"]["prompt_tokens"]

@@ -1,6 +1,7 @@
 """The figures: the cold-start breakdown (one bar per mode, stages on a shared time axis, like Medusa's
-Fig. 8) and the trace (p99 TTFT against request rate and against throughput, like Figs. 10 and 11, and the
-TTFT distribution). matplotlib is imported here only, when a figure is drawn."""
+Fig. 8) and the trace (p99 TTFT against request rate and against throughput, like Figs. 10 and 11, the
+TTFT distribution, and the inter-token latency against request rate). matplotlib is imported here only, when a
+figure is drawn."""
 
 from __future__ import annotations
 
@@ -55,6 +56,15 @@ def coldstart_title(context: dict[str, Any]) -> str:
             f"(page cache {context['page_cache']}, {machine['date_utc'][:10]})")
 
 
+def trace_title(context: dict[str, Any]) -> str:
+    """A trace figure's title, from its JSON's context (model, machine, the requests of each rate)."""
+    machine = context["machine"]
+    per_rate = (f"{context['requests_per_rate']} requests" if context.get("requests_per_rate")
+                else f"{context['duration_s']:g} s")
+    return (f"{context['model']} on {', '.join(machine['gpus']) or 'CPU'}, {per_rate} per rate "
+            f"({machine['date_utc'][:10]})")
+
+
 def switch_title(context: dict[str, Any]) -> str:
     """A switch figure's title, from its JSON's context (models, machine)."""
     return f"{len(context['models'])} models in one instance on {', '.join(context['machine']['gpus']) or 'CPU'}"
@@ -105,9 +115,10 @@ def _stage_rank(name: str) -> int:
 
 
 def plot_trace(points: list[dict[str, Any]], path: Path, title: str) -> None:
-    """`points`: one per (mode, rate) that ran, with rate, throughput_rps, ttft_p99_s and ttfts_s."""
+    """`points`: one per (mode, rate) that ran, with rate, throughput_rps, ttft_p99_s, ttfts_s and the ITL's
+    itl_p50_s and itl_p99_s."""
     plt = _pyplot()
-    fig, (by_rate, by_throughput, cdf) = plt.subplots(1, 3, figsize=(15, 4))
+    fig, (by_rate, by_throughput, cdf, itl) = plt.subplots(1, 4, figsize=(20, 4))
     modes = list(dict.fromkeys(p["mode"] for p in points))
     styles = ["-", "--", ":", "-."]
     for i, mode in enumerate(modes):
@@ -116,6 +127,10 @@ def plot_trace(points: list[dict[str, Any]], path: Path, title: str) -> None:
         by_rate.plot([p["rate"] for p in mine], [p["ttft_p99_s"] for p in mine], "o-", color=color, label=mode)
         by_throughput.plot([p["throughput_rps"] for p in mine], [p["ttft_p99_s"] for p in mine], "o-",
                            color=color, label=mode)
+        timed = [p for p in mine if p.get("itl_p50_s") is not None]
+        for key, style, label in (("itl_p50_s", "o--", "p50"), ("itl_p99_s", "o-", "p99")):
+            itl.plot([p["rate"] for p in timed], [p[key] * 1000 for p in timed], style, color=color,
+                     label=f"{mode} {label}")
         for j, p in enumerate(mine):
             ttfts = sorted(p["ttfts_s"])
             cdf.plot(ttfts, [(k + 1) / len(ttfts) for k in range(len(ttfts))], styles[j % len(styles)],
@@ -123,7 +138,8 @@ def plot_trace(points: list[dict[str, Any]], path: Path, title: str) -> None:
     by_rate.set(xlabel="request rate (requests/s)", ylabel="p99 TTFT (s)", title="p99 TTFT vs rate")
     by_throughput.set(xlabel="throughput (requests/s)", ylabel="p99 TTFT (s)", title="p99 TTFT vs throughput")
     cdf.set(xlabel="TTFT (s)", ylabel="share of requests", title="TTFT distribution")
-    for ax in (by_rate, by_throughput, cdf):
+    itl.set(xlabel="request rate (requests/s)", ylabel="inter-token latency (ms)", title="ITL p50 (dashed), p99")
+    for ax in (by_rate, by_throughput, cdf, itl):
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)

@@ -68,7 +68,8 @@ def coldstart_json(results: list[ModeResult], context: dict[str, Any]) -> dict[s
 
 def trace_table(points: list[TracePoint]) -> str:
     head = ["mode", "rate (req/s)", "requests", "completed", "errors", "p50 TTFT (s)", "p99 TTFT (s)",
-            "throughput (req/s)", "output tok/s", "instances started", "spawn → ready (s), median"]
+            "p50 ITL (ms)", "p99 ITL (ms)", "throughput (req/s)", "output tok/s", "instances started",
+            "spawn → ready (s), median"]
     rows = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for p in points:
         if p.status != "ok":
@@ -76,11 +77,16 @@ def trace_table(points: list[TracePoint]) -> str:
         else:
             ready = [s.spawn_to_ready_s for s in p.instances if s.spawn_to_ready_s is not None]
             cells = [p.mode, f"{p.rate:g}", str(p.requests), str(p.completed), str(p.error_count),
-                     f"{p.ttft_p50_s:.3f}", f"{p.ttft_p99_s:.3f}", f"{p.throughput_rps:.2f}",
+                     f"{p.ttft_p50_s:.3f}", f"{p.ttft_p99_s:.3f}", _ms(p.itl_p50_s), _ms(p.itl_p99_s),
+                     f"{p.throughput_rps:.2f}",
                      f"{p.output_tokens_per_s:.1f}", str(len(p.instances)),
                      f"{statistics.median(ready):.3f}" if ready else ""]
         rows.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
     return "\n".join(rows)
+
+
+def _ms(seconds: float | None) -> str:
+    return "" if seconds is None else f"{seconds * 1000:.1f}"
 
 
 def provenance(context: dict[str, Any]) -> str:

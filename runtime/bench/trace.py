@@ -37,6 +37,10 @@ class TracePoint:
     ttft_p50_s: float | None = None
     ttft_p99_s: float | None = None
     ttft_mean_s: float | None = None
+    #: inter-token latency: the gaps between one token's chunk and the next, of every completed request, pooled
+    itl_p50_s: float | None = None
+    itl_p99_s: float | None = None
+    itl_mean_s: float | None = None
     throughput_rps: float | None = None
     output_tokens_per_s: float | None = None
     instances: list[StartRecord] = field(default_factory=list)
@@ -111,11 +115,23 @@ def record_ttfts(point, done: list[tuple[float, RequestTiming]]) -> None:
     point.ttft_mean_s = round(float(numpy.mean(ttfts)), 6)
 
 
+def record_itls(point, done: list[tuple[float, RequestTiming]]) -> None:
+    """Inter-token latency: every gap between consecutive tokens of a completed request, all requests pooled
+    (a request of one token adds none), with its median, p99 and mean; none when no request had two tokens."""
+    gaps = numpy.concatenate([numpy.diff(t.token_times) for _, t in done] or [numpy.empty(0)])
+    if not gaps.size:
+        return
+    point.itl_p50_s = round(float(numpy.percentile(gaps, 50)), 6)
+    point.itl_p99_s = round(float(numpy.percentile(gaps, 99)), 6)
+    point.itl_mean_s = round(float(numpy.mean(gaps)), 6)
+
+
 def _summarise(point: TracePoint, sent: list[tuple[float, RequestTiming]], start: float) -> None:
     done = count_outcomes(point, sent)
     if not done:
         return
     record_ttfts(point, done)
+    record_itls(point, done)
     span = max(t.finished_at for _, t in done) - start
     point.throughput_rps = round(len(done) / span, 6)
     point.output_tokens_per_s = round(sum(t.completion_tokens for _, t in done) / span, 3)

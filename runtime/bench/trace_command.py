@@ -1,4 +1,7 @@
-"""`faas-bench trace`: every mode at every rate, then the table, trace.json, trace.md and trace.png."""
+"""`faas-bench trace`: every mode at every rate, then the table, trace.json, trace.md and trace.png.
+
+The JSON and the table are written again after each (mode, rate), so a run stopped part way (a time limit's
+SIGTERM) leaves every point it finished."""
 
 from __future__ import annotations
 
@@ -6,10 +9,11 @@ import argparse
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 from runtime.bench.machine import describe_machine
-from runtime.bench.plots import plot_trace
-from runtime.bench.pool import ScalePolicy
+from runtime.bench.plots import plot_trace, trace_title
+from runtime.bench.pool import ScalePolicy, StartRecord
 from runtime.bench.prompt import PromptMaker
 from runtime.bench.report import provenance, trace_table, write_json
 from runtime.bench.trace import TracePoint, run_trace_point
@@ -26,6 +30,12 @@ async def run_trace_command(args: argparse.Namespace, settings: dict[str, str]) 
     policy = ScalePolicy(args.max_instances, args.slots, args.queue_threshold, args.idle_timeout, args.gpus)
     max_len = args.max_len or context_length(args.model, settings)
     prompts = PromptMaker(args.model)
+    context = {"command": "trace", "argv": args.argv, "machine": describe_machine(),
+               "model": args.model or "(embedded)", "settings": settings, "duration_s": args.duration,
+               "requests_per_rate": args.requests, "seed": args.seed,
+               "prompt_mean": args.prompt_mean * args.length_scale,
+               "output_mean": args.output_mean * args.length_scale, "max_len": max_len,
+               "exact_prompt_lengths": prompts.exact, "policy": dataclasses.asdict(policy)}
     points: list[TracePoint] = []
     for mode in args.modes:
         unavailable: TracePoint | None = None
@@ -34,32 +44,39 @@ async def run_trace_command(args: argparse.Namespace, settings: dict[str, str]) 
                 points.append(TracePoint(mode, rate, unavailable.status, unavailable.reason))
                 continue
             shape = WorkloadShape(rate, args.duration, args.prompt_mean * args.length_scale,
-                                  args.output_mean * args.length_scale, max_len, args.seed)
+                                  args.output_mean * args.length_scale, max_len, args.seed, args.requests)
             workload = make_workload(shape)
-            log.info("trace: %s at %g requests/s, %d requests over %g s", mode, rate, len(workload), args.duration)
+            log.info("trace: %s at %g requests/s, %d requests over %.1f s", mode, rate, len(workload),
+                     workload[-1].arrival_s if workload else 0.0)
             point = await run_trace_point(mode, rate, workload, prompts, settings, policy,
                                           args.out / "logs" / f"trace-{mode}-{rate:g}", args.timeout, args.seed)
             points.append(point)
             if point.status == "skipped":
                 unavailable = point
-    context = {"command": "trace", "argv": args.argv, "machine": describe_machine(),
-               "model": args.model or "(embedded)", "settings": settings, "duration_s": args.duration,
-               "seed": args.seed, "prompt_mean": args.prompt_mean * args.length_scale,
-               "output_mean": args.output_mean * args.length_scale, "max_len": max_len,
-               "exact_prompt_lengths": prompts.exact, "policy": dataclasses.asdict(policy)}
-    write_json(args.out / "trace.json", {**context, "points": [dataclasses.asdict(p) for p in points]})
-    table = trace_table(points)
-    table = provenance(context) + "\n\n" + table
-    (args.out / "trace.md").write_text(table + "\n")
-    ran = [dataclasses.asdict(p) for p in points if p.status == "ok"]
-    if ran:
-        machine = context["machine"]
-        plot_trace(ran, args.out / "trace.png", f"{context['model']} on {', '.join(machine['gpus']) or 'CPU'}, "
-                                                f"{args.duration:g} s per rate ({machine['date_utc'][:10]})")
-    print(table)
-    written = [args.out / "trace.json", args.out / "trace.md"] + ([args.out / "trace.png"] if ran else [])
-    print(f"\nwrote {', '.join(map(str, written))}")
+            write_trace_files(args.out, context, points, provenance(context), plot=False)
+    table, written = write_trace_files(args.out, context, points, provenance(context))
+    print(f"{table}\n\nwrote {', '.join(map(str, written))}")
     return 1 if any(p.status == "failed" for p in points) else 0
+
+
+def write_trace_files(out: Path, context: dict[str, Any], points: list[TracePoint], header: str,
+                      plot: bool = True) -> tuple[str, list[Path]]:
+    """trace.json (CONTEXT and every point), trace.md (HEADER above the table) and, with PLOT and a point that
+    ran, trace.png. Returns the markdown and the files written."""
+    write_json(out / "trace.json", {**context, "points": [dataclasses.asdict(p) for p in points]})
+    table = header + "\n\n" + trace_table(points)
+    (out / "trace.md").write_text(table + "\n")
+    written = [out / "trace.json", out / "trace.md"]
+    ran = [dataclasses.asdict(p) for p in points if p.status == "ok"]
+    if plot and ran:
+        plot_trace(ran, out / "trace.png", trace_title(context))
+        written.append(out / "trace.png")
+    return table, written
+
+
+def points_from_json(data: dict[str, Any]) -> list[TracePoint]:
+    """The points of a trace.json, as the bench recorded them."""
+    return [TracePoint(**{**p, "instances": [StartRecord(**s) for s in p["instances"]]}) for p in data["points"]]
 
 
 def context_length(model: str | None, settings: dict[str, str]) -> int:

@@ -25,17 +25,18 @@ class TraceRequest:
 @dataclass(frozen=True)
 class WorkloadShape:
     rate: float  # requests per second
-    duration_s: float
+    duration_s: float | None  # arrivals within this many seconds, or
     prompt_mean: float = 161.0
     output_mean: float = 338.0
     max_len: int = 4096
     seed: int = 0
+    count: int | None = None  # ... this many arrivals, however long they take (one of the two is given)
 
 
 def make_workload(shape: WorkloadShape) -> list[TraceRequest]:
     rng = random.Random(f"{shape.seed}:{shape.rate}")  # each rate its own stream, the same on every run
     requests, t = [], rng.expovariate(shape.rate)
-    while t < shape.duration_s:
+    while (len(requests) < shape.count) if shape.count is not None else (t < shape.duration_s):
         prompt = _clip(_lognormal(rng, shape.prompt_mean), 1, shape.max_len // 2)
         output = _clip(_lognormal(rng, shape.output_mean), 1, shape.max_len - prompt)
         requests.append(TraceRequest(round(t, 6), prompt, output))

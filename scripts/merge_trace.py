@@ -1,0 +1,89 @@
+"""One report from several `faas-bench trace` runs of the same workload, each of some of the modes (a run per
+mode or two, where all of them would not fit one machine's time limit): trace.json, trace.md and trace.png
+as one run writes them, the table headed by each part's command, machine and date.
+
+    python scripts/merge_trace.py results/trace-a/trace.json results/trace-b/trace.json --out results/trace
+
+The parts must share the model, the settings, the workload (seed, lengths, requests or duration per rate),
+the scaling policy and the GPUs; a (mode, rate) may appear in one part only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from runtime.bench.report import provenance  # noqa: E402
+from runtime.bench.trace_command import points_from_json, write_trace_files  # noqa: E402
+
+#: what makes two runs' points comparable (the context keys that must be equal)
+SAME = ("model", "settings", "seed", "prompt_mean", "output_mean", "max_len", "duration_s", "requests_per_rate",
+        "exact_prompt_lengths", "policy")
+
+
+class MergeError(Exception):
+    """Parts that cannot make one report: one line, exit 2."""
+
+
+def load(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise MergeError(f"{path}: {exc}") from None
+    if not isinstance(data, dict) or data.get("command") != "trace":
+        raise MergeError(f"{path}: not a faas-bench trace JSON")
+    return data
+
+
+def merge(parts: list[tuple[Path, dict]]) -> tuple[dict, list]:
+    """The merged context (the first part's, with every part's command and machine under `parts`) and points."""
+    (first_path, first), points, seen = parts[0], [], {}
+    for index, (path, data) in enumerate(parts):
+        for key in SAME + ("machine.gpus",):
+            mine, theirs = _get(data, key), _get(first, key)
+            if mine != theirs:
+                raise MergeError(f"{path} and {first_path} differ in {key}: {mine!r} against {theirs!r}")
+        for point in points_from_json(data):
+            where = seen.setdefault((point.mode, point.rate), index)
+            if where != index:
+                raise MergeError(f"{point.mode} at {point.rate:g} requests/s is in both {parts[where][0]} and {path}")
+            points.append(point)
+    context = {**first, "parts": [{"file": str(path), "argv": data["argv"], "machine": data["machine"]}
+                                  for path, data in parts]}
+    context.pop("points")
+    return context, points
+
+
+def _get(data: dict, dotted: str):
+    for key in dotted.split("."):
+        data = data.get(key) if isinstance(data, dict) else None
+    return data
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="merge_trace", description=__doc__.split("\n\n")[0])
+    parser.add_argument("parts", nargs="+", type=Path, help="the runs' trace.json files, in the table's order")
+    parser.add_argument("--out", type=Path, required=True, help="folder for the merged trace.json, .md and .png")
+    args = parser.parse_args()
+    try:
+        if len(args.parts) < 2:
+            raise MergeError("give two or more trace.json files")
+        if any(p.resolve() == (args.out / "trace.json").resolve() for p in args.parts):
+            raise MergeError(f"--out {args.out} holds one of the parts; choose another folder")
+        context, points = merge([(path, load(path)) for path in args.parts])
+    except MergeError as exc:
+        print(f"merge_trace: {exc}", file=sys.stderr)
+        return 2
+    args.out.mkdir(parents=True, exist_ok=True)
+    header = "\n".join(provenance({**context, **part}) for part in context["parts"])
+    table, written = write_trace_files(args.out, context, points, header)
+    print(f"{table}\n\nwrote {', '.join(map(str, written))}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
