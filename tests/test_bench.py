@@ -129,6 +129,7 @@ def test_a_stopped_trace_keeps_its_finished_points_stops_its_servers_and_merges_
     assert not any(_alive(pid) for pid in servers)
     report = json.loads((first / "trace.json").read_text())
     assert [(p["mode"], p["rate"], p["status"], p["completed"]) for p in report["points"]] == [("cold", 4.0, "ok", 4)]
+    assert (first / "trace.png").read_bytes().startswith(PNG_MAGIC)
 
     done = faas_bench("trace", *common, "--modes", "process", "--rates", "4", "--out", str(second))
     assert done.returncode == 0, done.stderr[-3000:]

@@ -1,7 +1,7 @@
 """`faas-bench trace`: every mode at every rate, then the table, trace.json, trace.md and trace.png.
 
-The JSON and the table are written again after each (mode, rate), so a run stopped part way (a time limit's
-SIGTERM) leaves every point it finished."""
+The files are written again after each (mode, rate), so a run stopped part way (a time limit's SIGTERM)
+leaves every point it finished."""
 
 from __future__ import annotations
 
@@ -53,22 +53,22 @@ async def run_trace_command(args: argparse.Namespace, settings: dict[str, str]) 
             points.append(point)
             if point.status == "skipped":
                 unavailable = point
-            write_trace_files(args.out, context, points, provenance(context), plot=False)
+            write_trace_files(args.out, context, points, provenance(context))
     table, written = write_trace_files(args.out, context, points, provenance(context))
     print(f"{table}\n\nwrote {', '.join(map(str, written))}")
     return 1 if any(p.status == "failed" for p in points) else 0
 
 
-def write_trace_files(out: Path, context: dict[str, Any], points: list[TracePoint], header: str,
-                      plot: bool = True) -> tuple[str, list[Path]]:
-    """trace.json (CONTEXT and every point), trace.md (HEADER above the table) and, with PLOT and a point that
-    ran, trace.png. Returns the markdown and the files written."""
+def write_trace_files(out: Path, context: dict[str, Any], points: list[TracePoint],
+                      header: str) -> tuple[str, list[Path]]:
+    """trace.json (CONTEXT and every point), trace.md (HEADER above the table) and, if a point ran, trace.png.
+    Returns the markdown and the files written."""
     write_json(out / "trace.json", {**context, "points": [dataclasses.asdict(p) for p in points]})
     table = header + "\n\n" + trace_table(points)
     (out / "trace.md").write_text(table + "\n")
     written = [out / "trace.json", out / "trace.md"]
     ran = [dataclasses.asdict(p) for p in points if p.status == "ok"]
-    if plot and ran:
+    if ran:
         plot_trace(ran, out / "trace.png", trace_title(context))
         written.append(out / "trace.png")
     return table, written
