@@ -5,7 +5,8 @@ as one run writes them, the table headed by each part's command, machine and dat
     python scripts/merge_trace.py results/trace-a/trace.json results/trace-b/trace.json --out results/trace
 
 The parts must share the model, the settings, the workload (seed, lengths, requests or duration per rate),
-the scaling policy and the GPUs; a (mode, rate) may appear in one part only.
+the scaling policy and the GPUs; a (mode, rate) may appear in one part only. The table lists the modes in the
+bench's order (gpu, process, materialized, cold), each by rate.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from runtime.bench.records import SERVER_MODES  # noqa: E402
 from runtime.bench.report import provenance  # noqa: E402
 from runtime.bench.trace_command import points_from_json, write_trace_files  # noqa: E402
 
@@ -55,7 +57,7 @@ def merge(parts: list[tuple[Path, dict]]) -> tuple[dict, list]:
     context = {**first, "parts": [{"file": str(path), "argv": data["argv"], "machine": data["machine"]}
                                   for path, data in parts]}
     context.pop("points")
-    return context, points
+    return context, sorted(points, key=lambda p: (SERVER_MODES.index(p.mode), p.rate))
 
 
 def _get(data: dict, dotted: str):
