@@ -38,11 +38,15 @@ def load(path: Path) -> dict:
         raise MergeError(f"{path}: {exc}") from None
     if not isinstance(data, dict) or data.get("command") != "trace":
         raise MergeError(f"{path}: not a faas-bench trace JSON")
+    if "parts" in data:
+        first = data["parts"][0]["file"]
+        raise MergeError(f"{path} is a merged report: give the runs' own trace.json files ({first}, ...)")
     return data
 
 
 def merge(parts: list[tuple[Path, dict]]) -> tuple[dict, list]:
-    """The merged context (the first part's, with every part's command and machine under `parts`) and points."""
+    """The merged context (the first part's, its command and machine with every other part's under `parts`)
+    and the points."""
     (first_path, first), points, seen = parts[0], [], {}
     for index, (path, data) in enumerate(parts):
         for key in SAME + ("machine.gpus",):
@@ -57,6 +61,7 @@ def merge(parts: list[tuple[Path, dict]]) -> tuple[dict, list]:
     context = {**first, "parts": [{"file": str(path), "argv": data["argv"], "machine": data["machine"]}
                                   for path, data in parts]}
     context.pop("points")
+    context.pop("argv")  # each part's is under `parts`
     return context, sorted(points, key=lambda p: (SERVER_MODES.index(p.mode), p.rate))
 
 
