@@ -158,6 +158,9 @@ def test_a_stopped_trace_keeps_its_finished_points_stops_its_servers_and_merges_
     (["coldstart", "--model", "/no/such/model"], "no such file or directory"),
     (["coldstart", "--set", "MAX_MODEL_LEN"], "NAME=VALUE"),
     (["trace", "--set", "MAX_MODEL_LEN=-3"], "MAX_MODEL_LEN='-3'"),
+    # three instances at the default share (0.9) of one GPU cannot all start, nor five at a quarter each
+    (["trace", "--device", "cuda", "--max-instances", "3"], "GPU_MEMORY_UTILIZATION=0.9"),
+    (["trace", "--device", "cuda", "--max-instances", "5", "--set", "GPU_MEMORY_UTILIZATION=0.25"], "5 instances"),
 ])
 def test_bad_input_fails_with_one_line(tmp_path, args, message):
     done = faas_bench(*args, "--out", str(tmp_path))

@@ -8,9 +8,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 from pathlib import Path
 from typing import Any
 
+from runtime.bench import BenchError
 from runtime.bench.machine import describe_machine
 from runtime.bench.plots import plot_trace, trace_title
 from runtime.bench.pool import ScalePolicy, StartRecord
@@ -18,6 +20,7 @@ from runtime.bench.prompt import PromptMaker
 from runtime.bench.report import provenance, trace_table, write_json
 from runtime.bench.trace import TracePoint, run_trace_point
 from runtime.bench.workload import WorkloadShape, make_workload
+from runtime.config import Settings
 from runtime.logs import get_logger
 
 log = get_logger("bench")
@@ -36,6 +39,7 @@ async def run_trace_command(args: argparse.Namespace, settings: dict[str, str]) 
                "prompt_mean": args.prompt_mean * args.length_scale,
                "output_mean": args.output_mean * args.length_scale, "max_len": max_len,
                "exact_prompt_lengths": prompts.exact, "policy": dataclasses.asdict(policy)}
+    check_gpu_shares(policy, settings, bool(context["machine"]["gpus"]))
     points: list[TracePoint] = []
     for mode in args.modes:
         unavailable: TracePoint | None = None
@@ -57,6 +61,19 @@ async def run_trace_command(args: argparse.Namespace, settings: dict[str, str]) 
     table, written = write_trace_files(args.out, context, points, provenance(context))
     print(f"{table}\n\nwrote {', '.join(map(str, written))}")
     return 1 if any(p.status == "failed" for p in points) else 0
+
+
+def check_gpu_shares(policy: ScalePolicy, settings: dict[str, str], gpu_present: bool) -> None:
+    """Refuse a pool whose instances cannot all fit their GPU: each may take GPU_MEMORY_UTILIZATION of it, so
+    the later starts would fail for memory part way through the trace."""
+    resolved = Settings.from_env({**os.environ, **settings})  # what the servers will read
+    if resolved.device == "cpu" or (resolved.device == "auto" and not gpu_present):
+        return
+    per_gpu = -(-policy.max_instances // max(1, len(policy.gpus)))
+    if per_gpu * resolved.gpu_memory_utilization > 1.0:
+        raise BenchError(f"--max-instances {policy.max_instances} puts {per_gpu} instances on a GPU, each taking "
+                         f"GPU_MEMORY_UTILIZATION={resolved.gpu_memory_utilization:g} of it: lower it (--set, and "
+                         f"bake the snapshots with the same value), lower --max-instances or spread them with --gpus")
 
 
 def write_trace_files(out: Path, context: dict[str, Any], points: list[TracePoint],
