@@ -5,8 +5,8 @@ as one run writes them, the table headed by each part's command, machine and dat
     python scripts/merge_trace.py results/trace-a/trace.json results/trace-b/trace.json --out results/trace
 
 The parts must share the model, the settings, the workload (seed, lengths, requests or duration per rate),
-the scaling policy and the GPUs; a (mode, rate) may appear in one part only. The table lists the modes in the
-bench's order (gpu, process, materialized, cold), each by rate.
+the scaling policy and the GPUs' model (each part's line names its driver); a (mode, rate) may appear in one
+part only. The table lists the modes in the bench's order (gpu, process, materialized, cold), each by rate.
 """
 
 from __future__ import annotations
@@ -49,10 +49,13 @@ def merge(parts: list[tuple[Path, dict]]) -> tuple[dict, list]:
     and the points."""
     (first_path, first), points, seen = parts[0], [], {}
     for index, (path, data) in enumerate(parts):
-        for key in SAME + ("machine.gpus",):
-            mine, theirs = _get(data, key), _get(first, key)
+        for key in SAME:
+            mine, theirs = data.get(key), first.get(key)
             if mine != theirs:
                 raise MergeError(f"{path} and {first_path} differ in {key}: {mine!r} against {theirs!r}")
+        if _gpu_models(data) != _gpu_models(first):  # the driver may differ: each part names its own
+            raise MergeError(f"{path} ran on {_gpu_models(data) or 'no GPU'}, {first_path} on "
+                             f"{_gpu_models(first) or 'no GPU'}")
         for point in points_from_json(data):
             where = seen.setdefault((point.mode, point.rate), index)
             if where != index:
@@ -65,10 +68,9 @@ def merge(parts: list[tuple[Path, dict]]) -> tuple[dict, list]:
     return context, sorted(points, key=lambda p: (SERVER_MODES.index(p.mode), p.rate))
 
 
-def _get(data: dict, dotted: str):
-    for key in dotted.split("."):
-        data = data.get(key) if isinstance(data, dict) else None
-    return data
+def _gpu_models(data: dict) -> list[str]:
+    """The GPUs' names without the driver's version ("NVIDIA H100 80GB HBM3, 580.159.04")."""
+    return [gpu.split(",")[0].strip() for gpu in data.get("machine", {}).get("gpus", [])]
 
 
 def main() -> int:
