@@ -12,6 +12,7 @@ block 0.
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 
@@ -32,6 +33,7 @@ class KVMemory:
         self.num_blocks = 0  # of the cache, fixed at the first start (size())
         self.mapped_chunks = 0
         self.backing: Backing | None = None
+        self.map_bytes_per_s = 0.0  # how fast its last chunks were backed (0: not yet)
 
     def least_bytes(self) -> int:
         """One full-length sequence and the reserved block, in whole chunks."""
@@ -59,7 +61,10 @@ class KVMemory:
         """Back the first COUNT chunks (those not backed yet)."""
         count = min(count, self.num_chunks)
         if count > self.mapped_chunks:
+            began = time.perf_counter()
             self.backing.map(self._parts(self.mapped_chunks, count))
+            seconds = time.perf_counter() - began
+            self.map_bytes_per_s = (count - self.mapped_chunks) * self.chunk_bytes / max(seconds, 1e-9)
             self.mapped_chunks = count
 
     def unmap_from(self, keep: int) -> int:

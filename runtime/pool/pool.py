@@ -32,6 +32,7 @@ from runtime.pool.model_memory import ModelMemory
 log = get_logger("pool")
 
 POLICIES = ("cost", "lru")
+KV_CHUNK = -1  # the Item group that stands for a model's first KV chunk
 
 
 @dataclass
@@ -332,19 +333,6 @@ class ModelPool:
         self._engines[m.name].blocks.give_back(keep * m.kv.chunk_blocks)
         return m.kv.unmap_from(keep)
 
-    def _drop_idle_kv(self, idle: list[ModelMemory], short: int, report: SwitchReport, whole: bool) -> int:
-        """Give back idle KV caches, least recently used first, until SHORT bytes are freed; returns what is
-        still short. A model whose weights are (partly) resident keeps its first chunk unless WHOLE: backing a
-        chunk again is one mapping per plane (56 for Qwen2-1.5B), more driver work than reloading as many
-        weight bytes."""
-        for o in idle:
-            if short <= 0:
-                break
-            freed = self._drop_kv(o, 0 if whole or not o.resident else 1)
-            short -= freed
-            self._note_evicted(report, o, freed)
-        return short
-
     def _make_room(self, need: int, m: ModelMemory, report: SwitchReport, back: Callable[[], None]) -> None:
         """Free NEED bytes for M if the pool is short, then BACK (map M's memory) in the same hold of the
         lock: no other model's KV growth can take the room in between. The evicted memory M's mappings did
@@ -364,20 +352,23 @@ class ModelPool:
 
     def _evict(self, short: int, incoming: ModelMemory, report: SwitchReport, strict: bool = True) -> None:
         """Free at least SHORT bytes from models without requests in flight, or raise PoolError (STRICT;
-        else free what can be freed)."""
+        else free what can be freed). First the idle KV caches past their first chunk, least recently used
+        first: they hold nothing a model needs to run; then what the policy chooses among the weight groups
+        and the first KV chunks (a chunk's value is the time to back it again, its one mapping per plane)."""
         idle = sorted((o for o in self._models.values()
                        if o is not incoming and not o.held and _is_idle(self._engines[o.name])),
                       key=lambda o: o.last_used)
-        while True:
-            # idle KV caches first: they hold nothing of value
-            short = self._drop_idle_kv(idle, short, report, whole=False)
+        for o in idle:
             if short <= 0:
                 return
+            freed = self._drop_kv(o, keep=1)
+            short -= freed
+            self._note_evicted(report, o, freed)
+        while short > 0:
             items = self._items(idle)
+            if not items and not strict:
+                return
             if not items:
-                short = self._drop_idle_kv(idle, short, report, whole=True)
-                if short <= 0 or not strict:
-                    return
                 raise PoolError(f"model {incoming.name!r} does not fit now: {_gib(short)} more are needed and the "
                                 "rest of the pool belongs to models with requests in flight")
             chosen = (evict_by_cost(items, short) if self.policy == "cost"
@@ -385,11 +376,14 @@ class ModelPool:
             for model in {i.model for i in chosen}:
                 o = self._models[model]
                 self._engines[model].graph_gate.hold()
-                freed = o.unmap_groups([i.group for i in chosen if i.model == model])
+                groups = [i.group for i in chosen if i.model == model]
+                freed = o.unmap_groups([g for g in groups if g != KV_CHUNK])
+                freed += self._drop_kv(o) if KV_CHUNK in groups else 0
                 short -= freed
                 self._note_evicted(report, o, freed)
 
     def _items(self, models: list[ModelMemory]) -> list[Item]:
+        """Each idle model's resident weight groups and its backed first KV chunk (group KV_CHUNK)."""
         now = time.time()
         items = []
         for o in models:
@@ -397,6 +391,9 @@ class ModelPool:
             rate = o.rate.at(now)
             for g in sorted(o.resident):
                 items.append(Item(o.name, g, share[g], group_value(share[g], o.load_bytes_per_s, rate)))
+            if o.kv.mapped_chunks:
+                items.append(Item(o.name, KV_CHUNK, o.kv.mapped_bytes,
+                                  group_value(o.kv.mapped_bytes, o.kv.map_bytes_per_s, rate)))
         return items
 
     @staticmethod

@@ -142,7 +142,8 @@ def test_lru_policy_evicts_whole_models(layouts, alone):
         for name in ["tiny-llama", "tiny-qwen2", "tiny-qwen3"]:
             run(pool, name)
         resident = {n: m.resident_bytes for n, m in pool.stats().models.items()}
-        assert resident["tiny-llama"] == 0  # the least recently used went whole
+        assert resident["tiny-llama"] == 0  # the least recently used went whole, its KV cache with it
+        assert pool.stats().models["tiny-llama"].kv_bytes == 0
         report, outputs = run(pool, "tiny-llama")
         assert report.bytes_resident == 0 and report.bytes_loaded > 0
         assert outputs == alone["tiny-llama"]
