@@ -46,7 +46,7 @@ class SwitchReport:
     bytes_evicted: int  # given back by other models (weights and idle KV caches)
     evicted: dict[str, int] = field(default_factory=dict)  # model -> bytes it gave back
     # the parts of total_s spent on memory: making room (waiting for the accounting lock, giving back other
-    # models' idle KV caches and the groups eviction chose, and after the backing, releasing what of that the
+    # models' idle KV caches and the groups eviction chose, and after the stream, releasing what of that the
     # model did not map again), backing the model's missing groups and its first KV chunk, streaming the
     # missing groups in verified (a first start: its weights stage)
     evict_s: float = 0.0
@@ -188,6 +188,9 @@ class ModelPool:
                 m.held += 1  # its own memory is not a candidate while it loads
             try:
                 report = self._start(m) if first else self._reload(m)
+                # what of the evicted memory M's mappings did not take: after its stream (released before it
+                # or beside it, an 8B's 15 GiB slowed a Qwen2-1.5B's stream by a sixth and a third on the H100)
+                report.evict_s += self._release_spares()
                 self._engines[name].graph_gate.release()  # its graph work may touch its memory again
             finally:
                 self._release_spares()
@@ -320,9 +323,12 @@ class ModelPool:
             self._release_spares()
             return max(usable, kv.mapped_chunks * kv.chunk_blocks)
 
-    def _release_spares(self) -> None:
+    def _release_spares(self) -> float:
+        """Release the spare memory; returns the seconds it took."""
+        began = time.perf_counter()
         if self._spares is not None:
             self._spares.release()
+        return time.perf_counter() - began
 
     def _drop_kv(self, m: ModelMemory, keep: int = 0) -> int:
         """Give back an idle model's KV cache past its first KEEP chunks (every block is free when no request
@@ -335,9 +341,7 @@ class ModelPool:
 
     def _make_room(self, need: int, m: ModelMemory, report: SwitchReport, back: Callable[[], None]) -> None:
         """Free NEED bytes for M if the pool is short, then BACK (map M's memory) in the same hold of the
-        lock: no other model's KV growth can take the room in between. The evicted memory M's mappings did
-        not take is released before M's weights stream: released beside the stream, 15 GiB of an 8B slowed
-        a Qwen2-1.5B's stream by a third."""
+        lock: no other model's KV growth can take the room in between."""
         t = time.perf_counter()
         with self._lock:
             short = need - self._free()
@@ -345,10 +349,8 @@ class ModelPool:
                 self._evict(short, m, report)
             mapped = time.perf_counter()
             back()
-            backed = time.perf_counter()
-        self._release_spares()
-        report.evict_s = mapped - t + time.perf_counter() - backed
-        report.map_s = backed - mapped
+        report.evict_s = mapped - t
+        report.map_s = time.perf_counter() - mapped
 
     def _evict(self, short: int, incoming: ModelMemory, report: SwitchReport, strict: bool = True) -> None:
         """Free at least SHORT bytes from models without requests in flight, or raise PoolError (STRICT;
