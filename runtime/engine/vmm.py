@@ -90,15 +90,18 @@ class _CudaArray:
 
 class SpareMemory:
     """Physical memory unmapped from a MappedRange and not released yet, by size: a later `map` of the same size
-    takes it instead of creating memory, and `release()` gives the rest to the driver. A multi-model pool
-    keeps an eviction's memory here for the incoming model and releases what that model did not take while
-    its weights stream (runtime/pool/pool.py): on the H100 creating and releasing cost about as much as the
-    mapping itself (scripts/probe_vmm.py)."""
+    takes it instead of creating memory, and `release()` gives the rest to the driver (`release_later()`: on
+    a thread of its own; a `release()` or the next `release_later()` waits for it). A multi-model pool keeps
+    an eviction's memory here for the incoming model (runtime/pool/pool.py): on the H100 creating and
+    releasing cost about as much as the mapping itself (scripts/probe_vmm.py)."""
 
-    def __init__(self) -> None:
+    def __init__(self, device_index: int) -> None:
+        self.device_index = device_index
         self._lock = threading.Lock()
         self._by_size: dict[int, list] = {}
         self.nbytes = 0
+        self._releasing: threading.Thread | None = None
+        self._failed: BaseException | None = None
 
     def put(self, size: int, handle) -> None:
         with self._lock:
@@ -115,15 +118,46 @@ class SpareMemory:
             return handles.pop()
 
     def release(self) -> int:
-        """Give every spare handle back to the driver; returns the bytes."""
-        from cuda.bindings import driver
+        """Give every spare handle back to the driver, after a release in progress; returns the bytes."""
+        self._wait()
+        handles, freed = self._take_all()
+        _release(handles)
+        return freed
 
+    def release_later(self) -> None:
+        self._wait()
+        handles, _ = self._take_all()
+        if handles:
+            self._releasing = threading.Thread(target=self._release_on_thread, args=(handles,),
+                                               name="spare-memory-release", daemon=True)
+            self._releasing.start()
+
+    def _take_all(self) -> tuple[list, int]:
         with self._lock:
             spare, self._by_size, freed, self.nbytes = self._by_size, {}, self.nbytes, 0
-        for handles in spare.values():
-            for handle in handles:
-                call(driver.cuMemRelease(handle), "cuMemRelease")
-        return freed
+        return [h for handles in spare.values() for h in handles], freed
+
+    def _release_on_thread(self, handles: list) -> None:
+        try:
+            torch.cuda.set_device(self.device_index)  # the device's primary context, current on this thread
+            _release(handles)
+        except Exception as exc:  # raised by the next release, on the pool's side
+            self._failed = exc
+
+    def _wait(self) -> None:
+        if self._releasing is not None:
+            self._releasing.join()
+            self._releasing = None
+        if self._failed is not None:
+            failed, self._failed = self._failed, None
+            raise failed
+
+
+def _release(handles: list) -> None:
+    from cuda.bindings import driver
+
+    for handle in handles:
+        call(driver.cuMemRelease(handle), "cuMemRelease")
 
 
 class MappedRange:

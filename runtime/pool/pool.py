@@ -33,6 +33,7 @@ log = get_logger("pool")
 
 POLICIES = ("cost", "lru")
 KV_CHUNK = -1  # the Item group that stands for a model's first KV chunk
+_RELEASE_MARGIN = 1 << 30  # free device memory beyond a step's activations for spares to be released later
 
 
 @dataclass
@@ -113,7 +114,7 @@ class ModelPool:
         self._last_active: str | None = None
         self._granule = _granule(self.device)
         # an eviction's physical memory, until the incoming model has mapped what it needs (CUDA)
-        self._spares = SpareMemory() if self.device.type == "cuda" else None
+        self._spares = SpareMemory(_device_index(self.device)) if self.device.type == "cuda" else None
         self._headroom = 0
         # what torch's allocator held when the pool was made is outside its budget already (device_budget
         # takes the device's used memory off); only what it holds beyond that is charged to the pool
@@ -190,10 +191,12 @@ class ModelPool:
                 report = self._start(m) if first else self._reload(m)
                 # what of the evicted memory M's mappings did not take: after its stream (released before it
                 # or beside it, an 8B's 15 GiB slowed a Qwen2-1.5B's stream by a sixth and a third on the H100)
-                report.evict_s += self._release_spares()
+                report.evict_s += self._release_spares(later=True)
                 self._engines[name].graph_gate.release()  # its graph work may touch its memory again
-            finally:
+            except BaseException:
                 self._release_spares()
+                raise
+            finally:
                 with self._lock:
                     m.held -= 1
             report.total_s = time.perf_counter() - began
@@ -323,11 +326,16 @@ class ModelPool:
             self._release_spares()
             return max(usable, kv.mapped_chunks * kv.chunk_blocks)
 
-    def _release_spares(self) -> float:
-        """Release the spare memory; returns the seconds it took."""
+    def _release_spares(self, later: bool = False) -> float:
+        """Release the spare memory; returns the seconds it took. LATER: on a thread of its own if the device
+        has room for the largest step's activations without it (torch's allocator may need to grow meanwhile;
+        a mapping the driver has no memory for waits for the release)."""
         began = time.perf_counter()
         if self._spares is not None:
-            self._spares.release()
+            if later and torch.cuda.mem_get_info(self.device)[0] >= self._headroom + _RELEASE_MARGIN:
+                self._spares.release_later()
+            else:
+                self._spares.release()
         return time.perf_counter() - began
 
     def _drop_kv(self, m: ModelMemory, keep: int = 0) -> int:
@@ -496,6 +504,10 @@ def _group_shares(m: ModelMemory) -> dict[int, int]:
 def _is_idle(engine) -> bool:
     """Nothing scheduled and no step in flight: its memory may go (a request that is held never is)."""
     return not engine.ready or engine.idle
+
+
+def _device_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def _granule(device: torch.device) -> int:

@@ -80,7 +80,7 @@ def test_mapped_range_gives_memory_back_and_keeps_addresses():
 def test_unmapped_memory_is_mapped_again_before_new_memory_is_made():
     from runtime.engine.vmm import MappedRange, SpareMemory
 
-    spares = SpareMemory()
+    spares = SpareMemory(torch.cuda.current_device())
     a, b = (MappedRange(64 << 20, torch.device("cuda"), spares) for _ in range(2))
     g = a.granule
     a.map([(0, 8 * g)])
@@ -94,6 +94,11 @@ def test_unmapped_memory_is_mapped_again_before_new_memory_is_made():
     assert int(b.tensor[: 8 * g].sum()) == 2 * 8 * g
     b.unmap([(0, 8 * g)])
     assert spares.release() == 8 * g
+    assert torch.cuda.mem_get_info()[0] - free >= 8 * g
+    b.map([(0, 8 * g)])
+    b.unmap([(0, 8 * g)])
+    spares.release_later()  # on its own thread; the next release waits for it
+    assert spares.nbytes == 0 and spares.release() == 0
     assert torch.cuda.mem_get_info()[0] - free >= 8 * g
     a.close()
     b.close()
