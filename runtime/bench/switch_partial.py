@@ -4,7 +4,8 @@ of B, not all of it.
 
 Among many models the cost model may never evict part of B: it keeps the groups of the model asked for most,
 and B has just served requests. With B the only other model in the pool, it frees what the pool is short of,
-about that many bytes of B's groups (B's idle KV cache first). So:
+about that many bytes of B's (its idle KV cache past the first chunk first, then what the cost model picks
+of its groups and that chunk). So:
 
 1. a sizing instance with room for both serves B twice, then F, and /health says what its pool holds with both
    resident (`budget_bytes - free_bytes`: weights, KV caches, the engines' own buffers) and B's KV cache;

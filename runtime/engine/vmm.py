@@ -14,6 +14,7 @@ import threading
 import torch
 
 from runtime.cuda_driver import DriverError, allocation_prop, call, granularity, map_range, reserve
+from runtime.cuda_driver.device import use_device
 
 
 class ReleasableBuffer:
@@ -95,11 +96,13 @@ class SpareMemory:
     an eviction's memory here for the incoming model (runtime/pool/pool.py): on the H100 creating and
     releasing cost about as much as the mapping itself (scripts/probe_vmm.py)."""
 
-    def __init__(self, device_index: int) -> None:
-        self.device_index = device_index
-        self._lock = threading.Lock()
+    def __init__(self, device: torch.device) -> None:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        self._device = torch.device("cuda", index)  # for the release's thread, whose current GPU is the first
+        self._lock = threading.Lock()  # the handles
         self._by_size: dict[int, list] = {}
         self.nbytes = 0
+        self._releases = threading.Lock()  # one release at a time, whichever thread asks
         self._releasing: threading.Thread | None = None
         self._failed: BaseException | None = None
 
@@ -119,18 +122,20 @@ class SpareMemory:
 
     def release(self) -> int:
         """Give every spare handle back to the driver, after a release in progress; returns the bytes."""
-        self._wait()
-        handles, freed = self._take_all()
-        _release(handles)
+        with self._releases:
+            self._wait()
+            handles, freed = self._take_all()
+            _release(handles)
         return freed
 
     def release_later(self) -> None:
-        self._wait()
-        handles, _ = self._take_all()
-        if handles:
-            self._releasing = threading.Thread(target=self._release_on_thread, args=(handles,),
-                                               name="spare-memory-release", daemon=True)
-            self._releasing.start()
+        with self._releases:
+            self._wait()
+            handles, _ = self._take_all()
+            if handles:
+                self._releasing = threading.Thread(target=self._release_on_thread, args=(handles,),
+                                                   name="spare-memory-release", daemon=True)
+                self._releasing.start()
 
     def _take_all(self) -> tuple[list, int]:
         with self._lock:
@@ -139,12 +144,13 @@ class SpareMemory:
 
     def _release_on_thread(self, handles: list) -> None:
         try:
-            torch.cuda.set_device(self.device_index)  # the device's primary context, current on this thread
+            use_device(self._device)
             _release(handles)
         except Exception as exc:  # raised by the next release, on the pool's side
             self._failed = exc
 
     def _wait(self) -> None:
+        """Under the releases' lock."""
         if self._releasing is not None:
             self._releasing.join()
             self._releasing = None

@@ -84,4 +84,5 @@ class KVMemory:
         its own)."""
         plane = self.num_blocks * self.block_plane_bytes
         step = self.chunk_blocks * self.block_plane_bytes
-        return [(p * plane + c * step, p * plane + (c + 1) * step) for c in range(first, end) for p in range(self.planes)]
+        return [(p * plane + c * step, p * plane + (c + 1) * step)
+                for c in range(first, end) for p in range(self.planes)]

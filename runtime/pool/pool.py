@@ -114,7 +114,7 @@ class ModelPool:
         self._last_active: str | None = None
         self._granule = _granule(self.device)
         # an eviction's physical memory, until the incoming model has mapped what it needs (CUDA)
-        self._spares = SpareMemory(_device_index(self.device)) if self.device.type == "cuda" else None
+        self._spares = SpareMemory(self.device) if self.device.type == "cuda" else None
         self._headroom = 0
         # what torch's allocator held when the pool was made is outside its budget already (device_budget
         # takes the device's used memory off); only what it holds beyond that is charged to the pool
@@ -504,10 +504,6 @@ def _group_shares(m: ModelMemory) -> dict[int, int]:
 def _is_idle(engine) -> bool:
     """Nothing scheduled and no step in flight: its memory may go (a request that is held never is)."""
     return not engine.ready or engine.idle
-
-
-def _device_index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def _granule(device: torch.device) -> int:

@@ -80,7 +80,7 @@ def test_mapped_range_gives_memory_back_and_keeps_addresses():
 def test_unmapped_memory_is_mapped_again_before_new_memory_is_made():
     from runtime.engine.vmm import MappedRange, SpareMemory
 
-    spares = SpareMemory(torch.cuda.current_device())
+    spares = SpareMemory(torch.device("cuda"))
     a, b = (MappedRange(64 << 20, torch.device("cuda"), spares) for _ in range(2))
     g = a.granule
     a.map([(0, 8 * g)])
