@@ -180,6 +180,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="an instance idle this long is retired (30 s)")
     trace.add_argument("--gpus", type=lambda t: tuple(g.strip() for g in t.split(",") if g.strip()), default=(),
                        help="spread instances over these GPUs, round robin, e.g. 0,1 (default: all see all)")
+    trace.add_argument("--pid-namespaces", action="store_true",
+                       help="start each instance in a pid namespace of its own, as a container is (needs root): "
+                            "instances restored from one snapshot on one host keep the same baked pids")
     _switch_parser(sub, common)
     return parser
 

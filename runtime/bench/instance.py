@@ -58,14 +58,20 @@ class Instance:
     health: dict = field(default_factory=dict)
 
     @classmethod
-    def spawn(cls, mode: str, settings: dict[str, str], log_path: Path) -> "Instance":
+    def spawn(cls, mode: str, settings: dict[str, str], log_path: Path, own_pid_namespace: bool = False) -> "Instance":
+        """Start `faas-bootstrap`. OWN_PID_NAMESPACE: as the init of a pid namespace with its own /proc, as a
+        container's process is (needs root): a restored snapshot keeps its baked pids, so two instances
+        restored from one snapshot on one host clash without it."""
         port = free_port()
+        command = [sys.executable, "-m", "runtime.bootstrap"]
+        if own_pid_namespace:
+            command = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", *command]
         log_path.parent.mkdir(parents=True, exist_ok=True)
         path, changed = VARIANTS.get(mode, (mode, {}))
         spawned_at = time.time()
         with open(log_path, "wb") as log:
             # its own process group: stop() reaches whatever the bootstrap starts (a CRIU restore, workers)
-            process = subprocess.Popen([sys.executable, "-m", "runtime.bootstrap"], cwd=SOURCE_ROOT,
+            process = subprocess.Popen(command, cwd=SOURCE_ROOT,
                                        env=child_environment(settings | changed | {
                                            "PORT": str(port), "HOST": "127.0.0.1", "RESTORE": path}, spawned_at),
                                        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

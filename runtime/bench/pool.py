@@ -30,6 +30,8 @@ class ScalePolicy:
     idle_timeout_s: float = 30.0
     #: GPUs to spread instances over, round robin (CUDA_VISIBLE_DEVICES); empty: every instance sees all
     gpus: tuple[str, ...] = ()
+    #: each instance the init of a pid namespace with its own /proc, as in a container (Instance.spawn)
+    own_pid_namespaces: bool = False
 
 
 @dataclass
@@ -121,7 +123,8 @@ class InstancePool:
         settings = self.settings
         if self.policy.gpus:
             settings = settings | {"CUDA_VISIBLE_DEVICES": self.policy.gpus[index % len(self.policy.gpus)]}
-        instance = Instance.spawn(self.mode, settings, self._log_dir / f"{self.mode}-{index + 1}.log")
+        instance = Instance.spawn(self.mode, settings, self._log_dir / f"{self.mode}-{index + 1}.log",
+                                  self.policy.own_pid_namespaces)
         member = Member(instance, index)
         self._members.append(member)
         self.starts.append(StartRecord(None, None))

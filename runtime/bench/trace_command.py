@@ -30,7 +30,8 @@ _DEFAULT_CONTEXT = 4096
 
 
 async def run_trace_command(args: argparse.Namespace, settings: dict[str, str]) -> int:
-    policy = ScalePolicy(args.max_instances, args.slots, args.queue_threshold, args.idle_timeout, args.gpus)
+    policy = ScalePolicy(args.max_instances, args.slots, args.queue_threshold, args.idle_timeout, args.gpus,
+                         args.pid_namespaces)
     max_len = args.max_len or context_length(args.model, settings)
     prompts = PromptMaker(args.model)
     context = {"command": "trace", "argv": args.argv, "machine": describe_machine(),

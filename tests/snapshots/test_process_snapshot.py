@@ -215,3 +215,37 @@ def test_snapshot_without_pid_namespace_restores_with_its_own_pids(tiny_model_di
         assert greedy_text(server) == cold_text
     finally:
         assert server.stop() == 0
+
+
+def test_two_instances_restore_one_plain_snapshot_at_once_in_pid_namespaces_of_their_own(tiny_model_dir, cold_text,
+                                                                                            tmp_path):
+    """The trace bench's --pid-namespaces: each instance as a container's process, so the baked pids are free in
+    every one; without it, the second concurrent restore finds them taken and starts cold instead."""
+    import asyncio
+
+    from runtime.bench.instance import Instance
+    from runtime.config import Settings
+    from snapshots.process import bake_process_snapshot
+
+    settings = Settings.from_env({"MODEL": str(tiny_model_dir), **ENGINE_ENV})
+    bake_process_snapshot(settings, tiny_model_dir, tmp_path / "snapshots", pid_namespace=False)
+    env = {"MODEL": str(tiny_model_dir), "SNAPSHOT_DIR": str(tmp_path / "snapshots"), "API_KEY": API_KEY,
+           **ENGINE_ENV}
+
+    async def start_two(own_pid_namespace: bool) -> list[dict]:
+        instances = [Instance.spawn("process", env, tmp_path / f"{own_pid_namespace}-{i}.log", own_pid_namespace)
+                     for i in range(2)]
+        try:
+            async with httpx.AsyncClient() as client:
+                healths = await asyncio.gather(*(i.wait_ready(client, 120) for i in instances))
+                texts = [greedy_text(i) for i in instances]
+            return [h | {"text": t} for h, t in zip(healths, texts)]
+        finally:
+            assert await asyncio.gather(*(i.stop() for i in instances)) == [0, 0]
+
+    isolated = asyncio.run(start_two(own_pid_namespace=True))
+    assert [h["restore_path"] for h in isolated] == ["process", "process"]
+    assert [h["text"] for h in isolated] == [cold_text, cold_text]
+    shared = asyncio.run(start_two(own_pid_namespace=False))
+    assert sorted(h["restore_path"] for h in shared) == ["cold", "process"]
+    assert [h["text"] for h in shared] == [cold_text, cold_text]
