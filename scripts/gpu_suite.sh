@@ -22,7 +22,9 @@
 #   auto:SHAPE          faas-bootstrap with RESTORE=auto on the baked snapshots: the path it took and the
 #                       order faas-build measured (its /health), into $RESULTS/auto-h100-SHAPE.json
 #   trace:SHAPE         faas-bench trace on SHAPE's layout and snapshots ($TRACE_ARGS added: --modes, --rates,
-#                       --requests, --max-instances, ...), into $RESULTS/trace-h100-SHAPE[-$TRACE_NAME]
+#                       --requests, --max-instances, ...), into $RESULTS/trace-h100-SHAPE[-$TRACE_NAME];
+#                       TRACE_COPIES=N: N snapshot directories (the $COPY_KINDS snapshots, default gpu,process,
+#                       baked again for each), one per instance running at once, each in a pid namespace
 #   serving:SHAPE       scripts/bench_serving.py (throughput, prefix caching, chunked prefill; $SERVING_ARGS added)
 #   probe               scripts/probe_cuda_start.py: the driver's load, cuInit, the context, first cuBLAS call
 #   switch              faas-bench switch (several models in one instance; $SWITCH_ARGS added)
@@ -142,9 +144,22 @@ trace() {
     local shape=$1 dir
     dir=$(model_dir "$shape")
     [ -d "$dir-baked" ] || bake "$shape"
+    local snapshots=(--snapshot-dir "$dir-baked/snapshots") dirs=$dir-baked/snapshots k
+    if [ "${TRACE_COPIES:-1}" -gt 1 ]; then
+        # two restores of one CRIU snapshot on one host clash over its baked pids and handoff socket
+        for k in $(seq 2 "$TRACE_COPIES"); do
+            if [ ! -d "$dir-baked/snapshots-$k" ]; then
+                say "baking snapshot copy $k of $shape (${COPY_KINDS:-gpu,process})"
+                MODEL="$dir-baked/layout" "$PY" -m runtime.bench.fresh_snapshots "$dir-baked/layout" \
+                    "$dir-baked/snapshots-$k" "${COPY_KINDS:-gpu,process}"
+            fi
+            dirs=$dirs,$dir-baked/snapshots-$k
+        done
+        snapshots=(--instance-snapshot-dirs "$dirs" --pid-namespaces)
+    fi
     say "faas-bench trace $shape"
     # shellcheck disable=SC2086
-    "$PY" -m runtime.bench.cli trace --model "$dir-baked/layout" --snapshot-dir "$dir-baked/snapshots" \
+    "$PY" -m runtime.bench.cli trace --model "$dir-baked/layout" "${snapshots[@]}" \
         --device cuda --out "$RESULTS/trace-h100-$shape${TRACE_NAME:+-$TRACE_NAME}" ${TRACE_ARGS:-}
 }
 

@@ -39,8 +39,8 @@ class Criu:
         except subprocess.TimeoutExpired:
             raise CriuError(f"criu {args[0]} timed out after {timeout:.0f} s{_tail(log_file)}") from None
         if result.returncode != 0:
-            raise CriuError(f"criu {args[0]} exited {result.returncode}: {result.stderr.strip()[-300:]}"
-                            f"{_tail(log_file)}")
+            cause = first_error(log_file) or result.stderr.strip()[-300:]
+            raise CriuError(f"criu {args[0]} exited {result.returncode}: {cause}{_tail(log_file)}")
 
 
 def find_criu() -> Criu | None:
@@ -116,6 +116,21 @@ def _status_field(name: str) -> str | None:
             if line.startswith(name + ":"):
                 return line.split(":", 1)[1].strip()
     return None
+
+
+def first_error(log_file: Path) -> str:
+    """The first error criu logged, without its timestamp and source location: what a one-line reason says
+    (e.g. "Can't fork for 856: File exists" when the baked pids are taken). Failing to raise RLIMIT_NOFILE
+    is logged as an error but criu goes on, so it is passed over."""
+    try:
+        text = log_file.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    for line in text:
+        _, marker, rest = line.partition("Error (")
+        if marker and "rlimit:" not in rest:
+            return rest.partition("): ")[2].strip()
+    return ""
 
 
 def _tail(log_file: Path, lines: int = 12) -> str:

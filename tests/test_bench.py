@@ -161,6 +161,9 @@ def test_a_stopped_trace_keeps_its_finished_points_stops_its_servers_and_merges_
     # three instances at the default share (0.9) of one GPU cannot all start, nor five at a quarter each
     (["trace", "--device", "cuda", "--max-instances", "3"], "GPU_MEMORY_UTILIZATION=0.9"),
     (["trace", "--device", "cuda", "--max-instances", "5", "--set", "GPU_MEMORY_UTILIZATION=0.25"], "5 instances"),
+    # restores running at once need a snapshot directory each
+    (["trace", "--max-instances", "3", "--instance-snapshot-dirs", "tests,runtime"], "gives 2 directories"),
+    (["trace", "--instance-snapshot-dirs", "/no/such/dir"], "no such directory: /no/such/dir"),
 ])
 def test_bad_input_fails_with_one_line(tmp_path, args, message):
     done = faas_bench(*args, "--out", str(tmp_path))

@@ -180,9 +180,14 @@ def _parser() -> argparse.ArgumentParser:
                        help="an instance idle this long is retired (30 s)")
     trace.add_argument("--gpus", type=lambda t: tuple(g.strip() for g in t.split(",") if g.strip()), default=(),
                        help="spread instances over these GPUs, round robin, e.g. 0,1 (default: all see all)")
+    trace.add_argument("--instance-snapshot-dirs", type=lambda t: tuple(d.strip() for d in t.split(",") if d.strip()), default=(),
+                       metavar="DIR,DIR,...",
+                       help="one snapshot directory per instance running at once, each baked separately (instead of "
+                            "--snapshot-dir): two restores of one CRIU snapshot on one host clash over its baked "
+                            "pids and handoff socket, as two containers would not")
     trace.add_argument("--pid-namespaces", action="store_true",
-                       help="start each instance in a pid namespace of its own, as a container is (needs root): "
-                            "instances restored from one snapshot on one host keep the same baked pids")
+                       help="start each instance in a pid namespace of its own, as a container is (needs root), so "
+                            "a restore's baked pids are free whatever else runs on the host")
     _switch_parser(sub, common)
     return parser
 

@@ -32,12 +32,15 @@ class ScalePolicy:
     gpus: tuple[str, ...] = ()
     #: each instance the init of a pid namespace with its own /proc, as in a container (Instance.spawn)
     own_pid_namespaces: bool = False
+    #: one SNAPSHOT_DIR per instance running at once; each start takes one no running or stopping instance holds
+    snapshot_dirs: tuple[str, ...] = ()
 
 
 @dataclass
 class Member:
     instance: Instance
     index: int  # into InstancePool.starts
+    snapshot_dir: str | None = None  # its own, from ScalePolicy.snapshot_dirs, given back once it has stopped
     ready: bool = False
     in_flight: int = 0
     idle_since: float = field(default_factory=time.monotonic)
@@ -67,6 +70,7 @@ class InstancePool:
         self._stopping: set[asyncio.Task] = set()
         self.starts: list[StartRecord] = []
         self.failure: BenchError | None = None
+        self._free_snapshot_dirs = list(policy.snapshot_dirs)
 
     async def acquire(self) -> Member:
         """An instance with a free slot, waiting (and scaling) until there is one."""
@@ -95,7 +99,7 @@ class InstancePool:
         for task in list(self._bringing_up):
             task.cancel()
         await asyncio.gather(*self._bringing_up, *self._stopping, return_exceptions=True)
-        await asyncio.gather(*(m.instance.stop() for m in self._members))
+        await asyncio.gather(*(self._stop(m) for m in self._members))
         self._members.clear()
 
     def _dispatch(self) -> None:
@@ -115,6 +119,8 @@ class InstancePool:
         starting = sum(not m.ready for m in self._members)
         if not waiting or len(self._members) >= self.policy.max_instances or self.failure:
             return
+        if self.policy.snapshot_dirs and not self._free_snapshot_dirs:  # one is held by an instance still stopping
+            return
         if not self._members or waiting > self.policy.queue_threshold * (starting + 1):
             self._spawn()
 
@@ -123,9 +129,12 @@ class InstancePool:
         settings = self.settings
         if self.policy.gpus:
             settings = settings | {"CUDA_VISIBLE_DEVICES": self.policy.gpus[index % len(self.policy.gpus)]}
+        snapshot_dir = self._free_snapshot_dirs.pop(0) if self.policy.snapshot_dirs else None
+        if snapshot_dir:
+            settings = settings | {"SNAPSHOT_DIR": snapshot_dir}
         instance = Instance.spawn(self.mode, settings, self._log_dir / f"{self.mode}-{index + 1}.log",
                                   self.policy.own_pid_namespaces)
-        member = Member(instance, index)
+        member = Member(instance, index, snapshot_dir)
         self._members.append(member)
         self.starts.append(StartRecord(None, None))
         log.info("trace: starting %s instance %d (%d waiting)", self.mode, index + 1, len(self._waiters))
@@ -152,7 +161,12 @@ class InstancePool:
                 self._members.remove(member)
                 self.starts[member.index].retired = True
                 log.info("trace: retiring idle %s instance %d", self.mode, member.index + 1)
-                _track(self._stopping, member.instance.stop())
+                _track(self._stopping, self._stop(member))
+
+    async def _stop(self, member: Member) -> None:
+        await member.instance.stop()
+        if member.snapshot_dir:
+            self._free_snapshot_dirs.append(member.snapshot_dir)
 
     def _fail(self, exc: BenchError) -> None:
         self.failure = exc

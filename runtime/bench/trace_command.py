@@ -31,7 +31,7 @@ _DEFAULT_CONTEXT = 4096
 
 async def run_trace_command(args: argparse.Namespace, settings: dict[str, str]) -> int:
     policy = ScalePolicy(args.max_instances, args.slots, args.queue_threshold, args.idle_timeout, args.gpus,
-                         args.pid_namespaces)
+                         args.pid_namespaces, args.instance_snapshot_dirs)
     max_len = args.max_len or context_length(args.model, settings)
     prompts = PromptMaker(args.model)
     context = {"command": "trace", "argv": args.argv, "machine": describe_machine(),
@@ -41,6 +41,7 @@ async def run_trace_command(args: argparse.Namespace, settings: dict[str, str]) 
                "output_mean": args.output_mean * args.length_scale, "max_len": max_len,
                "exact_prompt_lengths": prompts.exact, "policy": dataclasses.asdict(policy)}
     check_gpu_shares(policy, settings, bool(context["machine"]["gpus"]))
+    check_snapshot_dirs(policy, args.snapshot_dir)
     points: list[TracePoint] = []
     for mode in args.modes:
         unavailable: TracePoint | None = None
@@ -75,6 +76,20 @@ def check_gpu_shares(policy: ScalePolicy, settings: dict[str, str], gpu_present:
         raise BenchError(f"--max-instances {policy.max_instances} puts {per_gpu} instances on a GPU, each taking "
                          f"GPU_MEMORY_UTILIZATION={resolved.gpu_memory_utilization:g} of it: lower it (--set, and "
                          f"bake the snapshots with the same value), lower --max-instances or spread them with --gpus")
+
+
+def check_snapshot_dirs(policy: ScalePolicy, snapshot_dir: str | None) -> None:
+    """--instance-snapshot-dirs needs a directory for every instance that may run at once, and replaces
+    --snapshot-dir rather than joining it."""
+    dirs = policy.snapshot_dirs
+    missing = [d for d in dirs if not Path(d).is_dir()]
+    if missing:
+        raise BenchError(f"--instance-snapshot-dirs: no such directory: {missing[0]}")
+    if dirs and len(dirs) < policy.max_instances:
+        raise BenchError(f"--instance-snapshot-dirs gives {len(dirs)} directories for --max-instances "
+                         f"{policy.max_instances}: bake one snapshot directory per instance")
+    if dirs and snapshot_dir:
+        raise BenchError("--instance-snapshot-dirs replaces --snapshot-dir (and $SNAPSHOT_DIR): give one of them")
 
 
 def write_trace_files(out: Path, context: dict[str, Any], points: list[TracePoint],

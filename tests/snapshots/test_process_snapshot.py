@@ -217,35 +217,66 @@ def test_snapshot_without_pid_namespace_restores_with_its_own_pids(tiny_model_di
         assert server.stop() == 0
 
 
-def test_two_instances_restore_one_plain_snapshot_at_once_in_pid_namespaces_of_their_own(tiny_model_dir, cold_text,
-                                                                                            tmp_path):
-    """The trace bench's --pid-namespaces: each instance as a container's process, so the baked pids are free in
-    every one; without it, the second concurrent restore finds them taken and starts cold instead."""
-    import asyncio
 
-    from runtime.bench.instance import Instance
+@pytest.fixture
+def plain_snapshots(tiny_model_dir, tmp_path) -> list[Path]:
+    """Two process snapshots baked without a pid namespace (as on a GPU: restored with their baked pids)."""
     from runtime.config import Settings
     from snapshots.process import bake_process_snapshot
 
     settings = Settings.from_env({"MODEL": str(tiny_model_dir), **ENGINE_ENV})
-    bake_process_snapshot(settings, tiny_model_dir, tmp_path / "snapshots", pid_namespace=False)
-    env = {"MODEL": str(tiny_model_dir), "SNAPSHOT_DIR": str(tmp_path / "snapshots"), "API_KEY": API_KEY,
-           **ENGINE_ENV}
+    dirs = [tmp_path / f"snapshots-{k}" for k in range(2)]
+    for directory in dirs:
+        bake_process_snapshot(settings, tiny_model_dir, directory, pid_namespace=False)
+    return dirs
 
-    async def start_two(own_pid_namespace: bool) -> list[dict]:
-        instances = [Instance.spawn("process", env, tmp_path / f"{own_pid_namespace}-{i}.log", own_pid_namespace)
-                     for i in range(2)]
+
+def test_an_instance_in_a_pid_namespace_of_its_own_restores_while_another_holds_the_baked_pids(
+        plain_snapshots, tiny_model_dir, cold_text, tmp_path):
+    """The trace bench's --pid-namespaces: an instance started as a container's process finds the baked pids
+    free; started beside the first without one, it finds them taken and starts cold instead."""
+    import asyncio
+
+    from runtime.bench.instance import Instance
+
+    env = {"MODEL": str(tiny_model_dir), "SNAPSHOT_DIR": str(plain_snapshots[0]), "API_KEY": API_KEY, **ENGINE_ENV}
+
+    async def second_beside_first(own_pid_namespace: bool) -> list[dict]:
+        instances: list[Instance] = []
         try:
             async with httpx.AsyncClient() as client:
-                healths = await asyncio.gather(*(i.wait_ready(client, 120) for i in instances))
-                texts = [greedy_text(i) for i in instances]
-            return [h | {"text": t} for h, t in zip(healths, texts)]
+                for k in range(2):  # the second while the first serves, after the first's handoff
+                    instances.append(Instance.spawn("process", env, tmp_path / f"{own_pid_namespace}-{k}.log",
+                                                    own_pid_namespace))
+                    await instances[-1].wait_ready(client, 120)
+            return [i.health | {"text": greedy_text(i)} for i in instances]
         finally:
-            assert await asyncio.gather(*(i.stop() for i in instances)) == [0, 0]
+            assert await asyncio.gather(*(i.stop() for i in instances)) == [0] * len(instances)
 
-    isolated = asyncio.run(start_two(own_pid_namespace=True))
+    isolated = asyncio.run(second_beside_first(own_pid_namespace=True))
     assert [h["restore_path"] for h in isolated] == ["process", "process"]
     assert [h["text"] for h in isolated] == [cold_text, cold_text]
-    shared = asyncio.run(start_two(own_pid_namespace=False))
-    assert sorted(h["restore_path"] for h in shared) == ["cold", "process"]
+    shared = asyncio.run(second_beside_first(own_pid_namespace=False))
+    assert [h["restore_path"] for h in shared] == ["process", "cold"]
+    assert "criu restore exited 1: Can't fork for " in shared[1]["skipped"]["process"]  # the reason, in one line
     assert [h["text"] for h in shared] == [cold_text, cold_text]
+
+
+def test_a_trace_restores_every_instance_running_at_once_from_a_snapshot_of_its_own(plain_snapshots, tiny_model_dir,
+                                                                                     tmp_path):
+    """--instance-snapshot-dirs: each instance of the scaled-out pool takes a snapshot no running instance holds,
+    so plain snapshots restore side by side on one host (one snapshot twice would clash over its baked pids)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "runtime.bench.cli", "trace", "--model", str(tiny_model_dir),
+                           "--device", "cpu", "--modes", "process", "--rates", "4", "--duration", "3",
+                           "--length-scale", "0.05", "--max-instances", "2", "--slots", "1", "--queue-threshold", "1",
+                           "--instance-snapshot-dirs", ",".join(map(str, plain_snapshots)),
+                           *[f"--set={k}={v}" for k, v in ENGINE_ENV.items() if k != "DEVICE"],
+                           "--out", str(tmp_path / "trace")], capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (point,) = json.loads((tmp_path / "trace" / "trace.json").read_text())["points"]
+    assert point["status"] == "ok" and point["completed"] == point["requests"] > 0, point
+    assert len(point["instances"]) == 2  # four requests a second with one slot each: the pool scaled out
+    assert [i["restore_path"] for i in point["instances"]] == ["process", "process"]
