@@ -89,3 +89,25 @@ def test_prompt_tokens_after_a_cached_prefix_run_in_the_decode_graphs(tiny_model
     assert [tokens(o) for o in outs] == expected
     assert [o[-1].cached_tokens for o in outs] == [0, 32, 32, 32, 32]
     assert in_rows == [len(p) - 32 for p in prompts[1:] if len(p) - 32 <= 16] != []
+
+
+def test_memory_another_process_takes_while_an_engine_starts_is_not_charged_to_its_kv_share(tiny_model,
+                                                                                            engine_factory):
+    """Instances starting side by side on one GPU: the KV profile charges the engine with its own memory only,
+    so 20 GiB taken by another process between two profiles leaves the cache the same size."""
+    import subprocess
+    import sys
+
+    engine = engine_factory(tiny_model("tiny-llama"), device="cuda", dtype="float32", max_num_seqs=16,
+                            max_model_len=256, gpu_memory_utilization=0.3)
+    alone = engine.runner.profile_kv_blocks().num_blocks
+    hold = "import sys, torch; x = torch.empty(20 << 30, dtype=torch.uint8, device='cuda'); print('held', flush=True); " \
+           "sys.stdin.read()"
+    holder = subprocess.Popen([sys.executable, "-c", hold], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        beside = engine.runner.profile_kv_blocks()
+    finally:
+        holder.communicate("", timeout=60)
+    assert beside.total_bytes - beside.free_bytes_after_profile >= 20 << 30  # the other process's memory is really taken
+    assert abs(beside.num_blocks - alone) <= alone // 100

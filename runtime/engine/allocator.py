@@ -99,5 +99,10 @@ class DeviceAllocator:
         return self._buffers[index]
 
     @property
+    def driver_bytes(self) -> int:
+        """Device memory of this allocator's buffers mapped through the driver, outside torch's allocator."""
+        return sum(owner.size for owner in self._releasable.values() if owner.mapped)
+
+    @property
     def total_bytes(self) -> int:
         return sum(a.nbytes for a in self.log)

@@ -89,11 +89,6 @@ class ModelRunner:
         self.weight_buffer: torch.Tensor | None = None
         self.decode: DecodeBuffers | None = None
         self.staging: DecodeStaging | None = None
-        # device memory in use when this engine began (its CUDA context, other processes): see profile_kv_blocks
-        self._used_at_start = 0
-        if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info()
-            self._used_at_start = total - free - torch.cuda.memory_reserved()
 
     # -- allocation, in start-up order -------------------------------------------------------------
 
@@ -185,10 +180,12 @@ class ModelRunner:
             del scratch
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info()
-        # GPU_MEMORY_UTILIZATION is this engine's share of the GPU: what other processes (other instances
-        # starting beside it) use is not charged to it, but the cache must still fit in what is free now.
+        # GPU_MEMORY_UTILIZATION is this engine's share of the GPU, charged with what the engine itself holds:
+        # torch's reserve, its buffers mapped through the driver, its context. What other processes use (other
+        # instances starting beside it, growing while it starts) is not, but the cache must still fit in
+        # what is free now.
         reserved = torch.cuda.memory_reserved()
-        own_non_torch = CUDA_CONTEXT_BYTES + max(0, (total - free) - self._used_at_start - reserved)
+        own_non_torch = CUDA_CONTEXT_BYTES + self.allocator.driver_bytes
         budget = total * self.config.gpu_memory_utilization - reserved - own_non_torch - peak
         budget = min(budget, free - peak - FREE_MARGIN_BYTES)
         num_blocks = int(budget // self.kv_block_bytes)
