@@ -5,8 +5,9 @@ as one run writes them, the table headed by each part's command, machine and dat
     python scripts/merge_trace.py results/trace-a/trace.json results/trace-b/trace.json --out results/trace
 
 The parts must share the model, the settings, the workload (seed, lengths, requests or duration per rate),
-the scaling policy and the GPUs' model (each part's line names its driver); a (mode, rate) may appear in one
-part only. The table lists the modes in the bench's order (gpu, process, materialized, cold), each by rate.
+the scaling policy and the GPUs' model (each part's line names its driver), but not where their snapshots
+were (SNAPSHOT_DIR, --instance-snapshot-dirs, --pid-namespaces); a (mode, rate) may appear in one part only.
+The table lists the modes in the bench's order (gpu, process, materialized, cold), each by rate.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from runtime.bench.trace_command import points_from_json, write_trace_files  # n
 #: what makes two runs' points comparable (the context keys that must be equal)
 SAME = ("model", "settings", "seed", "prompt_mean", "output_mean", "max_len", "duration_s", "requests_per_rate",
         "exact_prompt_lengths", "policy")
+#: where each part's instances found their snapshots may differ (each part's command says so)
+PLACEMENT = {"settings": ("SNAPSHOT_DIR",), "policy": ("snapshot_dirs", "own_pid_namespaces")}
 
 
 class MergeError(Exception):
@@ -50,7 +53,7 @@ def merge(parts: list[tuple[Path, dict]]) -> tuple[dict, list]:
     (first_path, first), points, seen = parts[0], [], {}
     for index, (path, data) in enumerate(parts):
         for key in SAME:
-            mine, theirs = data.get(key), first.get(key)
+            mine, theirs = _comparable(key, data.get(key)), _comparable(key, first.get(key))
             if mine != theirs:
                 raise MergeError(f"{path} and {first_path} differ in {key}: {mine!r} against {theirs!r}")
         if _gpu_models(data) != _gpu_models(first):  # the driver may differ: each part names its own
@@ -66,6 +69,12 @@ def merge(parts: list[tuple[Path, dict]]) -> tuple[dict, list]:
     context.pop("points")
     context.pop("argv")  # each part's is under `parts`
     return context, sorted(points, key=lambda p: (SERVER_MODES.index(p.mode), p.rate))
+
+
+def _comparable(key: str, value):
+    if isinstance(value, dict) and key in PLACEMENT:
+        return {k: v for k, v in value.items() if k not in PLACEMENT[key]}
+    return value
 
 
 def _gpu_models(data: dict) -> list[str]:
