@@ -70,6 +70,30 @@ def test_paged_attention_matches_reference(query_lens, seq_lens, block_q):
     assert (got - expected).abs().max() < 1e-5
 
 
+
+@pytest.mark.parametrize("query_lens,seq_lens,block_q", [
+    ([1, 1], [700, 30], 1),                 # decodes: a long context split in parts, a short one in one pass
+    ([1, 1, 1], [1100, 520, 449], 1),       # the part count's edges: every part busy, the last parts empty
+    ([6, 1], [640, 900], 4),                # a question's rows after a long cached prefix, beside a decode
+])
+def test_paged_attention_split_in_parts_matches_reference_and_is_ready_again(query_lens, seq_lens, block_q):
+    from runtime.engine.attention_metadata import SplitScratch
+    from runtime.engine.kernels.paged_attention import paged_attention
+
+    q, k, v, meta = paged_batch(query_lens, seq_lens, block_q=block_q)
+    expected = paged_attention_reference(q, k, v, meta, 32 ** -0.5)
+    splits, programs, rows, dim = 4, 16, 16, 32
+    meta = on_device(meta)
+    meta.split = SplitScratch(splits, programs, rows, dim,
+                              torch.full((programs * splits * rows * 2,), float("nan"), device=DEVICE),
+                              torch.full((programs * splits * rows * dim,), float("nan"), device=DEVICE),
+                              torch.zeros(programs, dtype=torch.int32, device=DEVICE))
+    for _ in range(2):  # the count is back at zero after each call: a second call (a graph's replay) merges again
+        got = paged_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), meta, 32 ** -0.5).cpu()
+        assert (got - expected).abs().max() < 1e-5
+        assert not meta.split.arrivals.any()
+    assert not meta.split.partial_acc.isnan().all()  # the long contexts really went through the parts
+
 def test_fused_add_norm_head_norm_and_swiglu_match_references():
     from runtime.engine.kernels.activation import silu_and_mul
     from runtime.engine.kernels.norm import rms_norm

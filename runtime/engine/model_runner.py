@@ -14,7 +14,7 @@ import torch
 
 from runtime.cuda_driver.device import private_stream
 from runtime.engine.allocator import DeviceAllocator, MemoryProvider
-from runtime.engine.attention_metadata import AttentionMetadata
+from runtime.engine.attention_metadata import AttentionMetadata, SplitScratch
 from runtime.engine.block_manager import BlockManager
 from runtime.engine.decode_inputs import DecodeBuffers, DecodeStaging
 from runtime.engine.engine_config import EngineConfig
@@ -30,6 +30,10 @@ from runtime.engine.weight_plan import WeightPlan, tensor_views, torch_dtype
 
 #: a CUDA context with torch's kernels loaded (about 500 MiB on an H100), created before anything is measured
 CUDA_CONTEXT_BYTES = 512 << 20
+#: the attention's key parts when a step has at most SPLIT_MAX_PROGRAMS programs (tiles x KV heads): with
+#: Qwen2-1.5B's two KV heads, up to 32 decode rows
+SPLIT_PARTS = 8
+SPLIT_MAX_PROGRAMS = 64
 #: left free on the GPU beside the KV cache (fragmentation, other processes' growth)
 FREE_MARGIN_BYTES = 256 << 20
 
@@ -89,6 +93,7 @@ class ModelRunner:
         self.weight_buffer: torch.Tensor | None = None
         self.decode: DecodeBuffers | None = None
         self.staging: DecodeStaging | None = None
+        self.split_scratch: SplitScratch | None = None
 
     # -- allocation, in start-up order -------------------------------------------------------------
 
@@ -108,6 +113,21 @@ class ModelRunner:
         if self.graph_batch_sizes:
             self.decode = self._allocate_decode_buffers(max(self.graph_batch_sizes))
             self.staging = DecodeStaging(self.decode)
+        if self.device.type == "cuda":
+            self.split_scratch = self._allocate_split_scratch()
+
+    def _allocate_split_scratch(self) -> SplitScratch:
+        """Where the attention's key parts meet when a step has few tiles (runtime/engine/kernels/
+        paged_attention.py): decode rows (16: a decode tile's query heads of one KV head, up to 16) of a head
+        dimension up to 128."""
+        splits, programs, rows, dim = SPLIT_PARTS, SPLIT_MAX_PROGRAMS, 16, 128
+        alloc = self.allocator.alloc_tensor
+        scratch = SplitScratch(splits, programs, rows, dim,
+                               alloc("attention_split_ml", (programs * splits * rows * 2,), torch.float32),
+                               alloc("attention_split_acc", (programs * splits * rows * dim,), torch.float32),
+                               alloc("attention_split_arrivals", (programs,), torch.int32))
+        scratch.arrivals.zero_()
+        return scratch
 
     def _allocate_decode_buffers(self, max_bs: int) -> DecodeBuffers:
         alloc = self.allocator.alloc_tensor
@@ -227,7 +247,8 @@ class ModelRunner:
         d = self.decode
         meta = AttentionMetadata(
             slot_mapping=d.slot_mapping[:bs], query_start_loc=d.arange[:bs + 1], seq_lens=d.seq_lens[:bs],
-            block_tables=d.block_tables[:bs], tile_seq=d.arange[:bs], tile_q_start=d.arange[:bs], block_q=1)
+            block_tables=d.block_tables[:bs], tile_seq=d.arange[:bs], tile_q_start=d.arange[:bs], block_q=1,
+            split=self.split_scratch)
         hidden = self.model(d.input_ids[:bs], d.positions[:bs], meta, self.kv_caches, self.cos_sin)
         self.model.compute_logits(hidden, out=d.logits[:bs])
 
@@ -242,7 +263,7 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=torch.zeros_like(d.slot_mapping[:batch_size]), query_start_loc=d.arange[:batch_size + 1],
             seq_lens=torch.ones_like(d.seq_lens[:batch_size]), block_tables=tables,
-            tile_seq=d.arange[:batch_size], tile_q_start=d.arange[:batch_size], block_q=1)
+            tile_seq=d.arange[:batch_size], tile_q_start=d.arange[:batch_size], block_q=1, split=self.split_scratch)
         ids = torch.zeros_like(d.input_ids[:batch_size])
         hidden = self.model(ids, torch.zeros_like(ids), meta, self.kv_caches, self.cos_sin, num_layers=num_layers)
         self.model.compute_logits(hidden, out=torch.empty_like(d.logits[:batch_size]))
@@ -341,7 +362,7 @@ class ModelRunner:
             seq_lens=upload(seq_lens, torch.int32),
             block_tables=upload([row + [0] * (width - len(row)) for row in tables], torch.int32),
             tile_seq=upload(tile_seq, torch.int32), tile_q_start=upload(tile_start, torch.int32),
-            block_q=block_q, query_start_loc_cpu=starts, seq_lens_cpu=list(seq_lens))
+            block_q=block_q, query_start_loc_cpu=starts, seq_lens_cpu=list(seq_lens), split=self.split_scratch)
         ids_on_device = upload(ids, torch.int64)
         if feed is not None:
             feed(ids_on_device)
