@@ -91,7 +91,8 @@ def main() -> int:
     for name in args.shapes:
         r = probe(name)
         results.append(r)
-        print(f"{name}: decode replay {r['decode_replay_ms']:.3f} ms, cached-prefix TTFT p50 {r['cached_ttft_ms_p50']:.2f} ms")
+        print(f"{name}: decode replay {r['decode_replay_ms']:.3f} ms, "
+              f"cached-prefix TTFT p50 {r['cached_ttft_ms_p50']:.2f} ms")
         for part in ("decode_kernels", "cached_request_kernels"):
             print(f"  {part}: {sum(k['us'] for k in r[part]) / 1e3:.3f} ms of kernels")
             for k in r[part][:6]:

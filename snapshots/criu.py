@@ -39,7 +39,7 @@ class Criu:
         except subprocess.TimeoutExpired:
             raise CriuError(f"criu {args[0]} timed out after {timeout:.0f} s{_tail(log_file)}") from None
         if result.returncode != 0:
-            cause = first_error(log_file) or result.stderr.strip()[-300:]
+            cause = _first_error(log_file) or result.stderr.strip()[-300:]
             raise CriuError(f"criu {args[0]} exited {result.returncode}: {cause}{_tail(log_file)}")
 
 
@@ -118,7 +118,7 @@ def _status_field(name: str) -> str | None:
     return None
 
 
-def first_error(log_file: Path) -> str:
+def _first_error(log_file: Path) -> str:
     """The first error criu logged, without its timestamp and source location: what a one-line reason says
     (e.g. "Can't fork for 856: File exists" when the baked pids are taken). Failing to raise RLIMIT_NOFILE
     is logged as an error but criu goes on, so it is passed over."""

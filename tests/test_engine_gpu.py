@@ -102,13 +102,13 @@ def test_memory_another_process_takes_while_an_engine_starts_is_not_charged_to_i
     engine = engine_factory(tiny_model("tiny-llama"), device="cuda", dtype="float32", max_num_seqs=16,
                             max_model_len=256, num_kv_blocks=64, gpu_memory_utilization=0.3)
     alone = engine.runner.profile_kv_blocks().num_blocks
-    hold = "import sys, torch; x = torch.empty(20 << 30, dtype=torch.uint8, device='cuda'); print('held', flush=True); " \
-           "sys.stdin.read()"
+    hold = ("import sys, torch; x = torch.empty(20 << 30, dtype=torch.uint8, device='cuda'); "
+            "print('held', flush=True); sys.stdin.read()")
     holder = subprocess.Popen([sys.executable, "-c", hold], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline() == "held\n"
         beside = engine.runner.profile_kv_blocks()
     finally:
         holder.communicate("", timeout=60)
-    assert beside.total_bytes - beside.free_bytes_after_profile >= 20 << 30  # the other process's memory is really taken
+    assert beside.total_bytes - beside.free_bytes_after_profile >= 20 << 30  # the other process's memory is taken
     assert abs(beside.num_blocks - alone) <= alone // 100

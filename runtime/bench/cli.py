@@ -110,6 +110,10 @@ def _rates(text: str) -> tuple[float, ...]:
     return rates
 
 
+def _comma_list(text: str) -> tuple[str, ...]:
+    return tuple(item.strip() for item in text.split(",") if item.strip())
+
+
 def _positive(kind):
     def parse(text: str):
         value = kind(text)
@@ -178,10 +182,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="queued requests per starting instance that trigger one more start (4)")
     trace.add_argument("--idle-timeout", type=_positive(float), default=30.0,
                        help="an instance idle this long is retired (30 s)")
-    trace.add_argument("--gpus", type=lambda t: tuple(g.strip() for g in t.split(",") if g.strip()), default=(),
+    trace.add_argument("--gpus", type=_comma_list, default=(),
                        help="spread instances over these GPUs, round robin, e.g. 0,1 (default: all see all)")
-    trace.add_argument("--instance-snapshot-dirs", type=lambda t: tuple(d.strip() for d in t.split(",") if d.strip()), default=(),
-                       metavar="DIR,DIR,...",
+    trace.add_argument("--instance-snapshot-dirs", type=_comma_list, default=(), metavar="DIR,DIR,...",
                        help="one snapshot directory per instance running at once, each baked separately (instead of "
                             "--snapshot-dir): two restores of one CRIU snapshot on one host clash over its baked "
                             "pids and handoff socket, as two containers would not")
