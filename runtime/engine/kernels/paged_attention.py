@@ -100,7 +100,9 @@ def _merge_parts(m_i, l_i, acc, out_ptrs, out_mask, partial_ml_ptr, partial_acc_
     tl.store(partial_ml_ptr + part * 2, m_i)
     tl.store(partial_ml_ptr + part * 2 + 1, l_i)
     tl.store(partial_acc_ptr + part[:, None] * BLOCK_D + dims[None, :], acc)
-    # the count releases this part's stores; the last part acquires everyone's (and reads past its L1: .cg)
+    # One thread counts for the program: the barrier puts every thread's stores before its count, whose
+    # release publishes them; the last part acquires everyone's (and reads past its L1: .cg)
+    tl.debug_barrier()
     arrived = tl.atomic_add(arrivals_ptr + program, 1, sem="acq_rel")
     if arrived == parts - 1:
         m = tl.full([BLOCK_M], -1e30, dtype=tl.float32)
