@@ -112,3 +112,13 @@ def test_memory_another_process_takes_while_an_engine_starts_is_not_charged_to_i
         holder.communicate("", timeout=60)
     assert beside.total_bytes - beside.free_bytes_after_profile >= 20 << 30  # the other process's memory is taken
     assert abs(beside.num_blocks - alone) <= alone // 100
+
+
+def test_attention_split_in_parts_matches_the_reference_on_the_device():
+    """The split launches' merge relies on the device's memory ordering (a count per program, the last part
+    reading the others' results), which Triton's interpreter on a CPU does not exercise."""
+    from tests.test_kernels import test_paged_attention_split_in_parts_matches_reference_and_is_ready_again as check
+
+    for query_lens, seq_lens, block_q in (([1, 1], [700, 30], 1), ([1, 1, 1], [1100, 520, 449], 1),
+                                          ([6, 1], [640, 900], 4), ([1] * 8, [3000 + 37 * i for i in range(8)], 1)):
+        check(query_lens, seq_lens, block_q)
