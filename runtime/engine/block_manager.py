@@ -205,8 +205,6 @@ def _packed(token_ids: list[int]) -> bytes:
 
 
 def _key(parent: int | None, chunk: bytes) -> int:
-    h = xxhash.xxh3_128()
-    if parent is not None:
-        h.update(parent.to_bytes(16, "little"))
-    h.update(chunk)
-    return h.intdigest()
+    # one call over the parent's digest and the chunk: the same key as feeding both to a hasher in turn,
+    # without making a hasher per block (a long prompt's lookup runs on the host before its step)
+    return xxhash.xxh3_128_intdigest(chunk if parent is None else parent.to_bytes(16, "little") + chunk)
