@@ -17,6 +17,7 @@ from runtime.bench.machine import describe_machine
 from runtime.bench.plots import plot_trace, trace_title
 from runtime.bench.pool import ScalePolicy, StartRecord
 from runtime.bench.prompt import PromptMaker
+from runtime.bench.records import VARIANTS
 from runtime.bench.report import provenance, trace_table, write_json
 from runtime.bench.trace import TracePoint, run_trace_point
 from runtime.bench.workload import WorkloadShape, make_workload
@@ -42,6 +43,7 @@ async def run_trace_command(args: argparse.Namespace, settings: dict[str, str]) 
                "exact_prompt_lengths": prompts.exact, "policy": dataclasses.asdict(policy)}
     check_gpu_shares(policy, settings, bool(context["machine"]["gpus"]))
     check_snapshot_dirs(policy, args.snapshot_dir)
+    warn_of_shared_snapshots(policy, args.modes)
     points: list[TracePoint] = []
     for mode in args.modes:
         unavailable: TracePoint | None = None
@@ -90,6 +92,16 @@ def check_snapshot_dirs(policy: ScalePolicy, snapshot_dir: str | None) -> None:
                          f"{policy.max_instances}: bake one snapshot directory per instance")
     if dirs and snapshot_dir:
         raise BenchError("--instance-snapshot-dirs replaces --snapshot-dir (and $SNAPSHOT_DIR): give one of them")
+
+
+def warn_of_shared_snapshots(policy: ScalePolicy, modes: tuple[str, ...]) -> None:
+    """Several instances restored at once from one CRIU snapshot on one host clash (its baked pids, its handoff
+    socket): the later ones start cold and the mode is reported skipped, part way through a run."""
+    restored = [m for m in modes if VARIANTS.get(m, (m,))[0] in ("gpu", "process")]
+    if restored and policy.max_instances > 1 and not policy.snapshot_dirs:
+        log.warning("trace: %s instances started at once restore one snapshot on this host, where a second restore "
+                    "clashes with the first (docs/snapshots.md); give --instance-snapshot-dirs, one baked "
+                    "snapshot directory per instance", ",".join(restored))
 
 
 def write_trace_files(out: Path, context: dict[str, Any], points: list[TracePoint],
