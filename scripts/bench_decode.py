@@ -113,16 +113,22 @@ def hf_decode_rate(model, batch: int, steps: int) -> float:
     return batch * (steps - 1) / (timed(steps) - timed(1))
 
 
-def bench_shape(name: str, batches: list[int], steps: int) -> list[dict]:
+def random_hf_model(name: str, model_dir: Path):
+    """SHAPE's config and tokenizer written to MODEL_DIR, and a transformers model of it on the GPU with seeded
+    random bf16 weights (what the engine copies its weights from)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    write_config_and_tokenizer(model_dir, SHAPES[name], dtype="bfloat16")
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.bfloat16).eval()
+
+
+def bench_shape(name: str, batches: list[int], steps: int) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp)
-        write_config_and_tokenizer(model_dir, SHAPES[name], dtype="bfloat16")
-        torch.manual_seed(0)
-        with torch.device("cuda"):
-            hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.bfloat16).eval()
+        hf = random_hf_model(name, model_dir)
         hf_rates = {b: hf_decode_rate(hf, b, steps) for b in batches}
         engine = Engine.build(model_dir, copy_from(hf.state_dict()),
                               EngineConfig(device="cuda", dtype="bfloat16", max_model_len=2048, max_num_seqs=256,

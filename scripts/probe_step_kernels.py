@@ -22,17 +22,12 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from runtime.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
-from scripts.bench_decode import copy_from, graph_replay_ms  # noqa: E402
-from scripts.model_shapes import SHAPES, write_config_and_tokenizer  # noqa: E402
+from scripts.bench_decode import copy_from, graph_replay_ms, random_hf_model  # noqa: E402
+from scripts.model_shapes import SHAPES  # noqa: E402
 
 
 def build(name: str, directory: Path) -> Engine:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    write_config_and_tokenizer(directory, SHAPES[name], dtype="bfloat16")
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        hf = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory), dtype=torch.bfloat16).eval()
+    hf = random_hf_model(name, directory)
     engine = Engine.build(directory, copy_from(hf.state_dict()),
                           EngineConfig(device="cuda", dtype="bfloat16", max_model_len=4096, max_num_seqs=64,
                                        gpu_memory_utilization=0.5))

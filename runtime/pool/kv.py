@@ -76,9 +76,6 @@ class KVMemory:
         self.mapped_chunks = keep
         return freed
 
-    def unmap_all(self) -> int:
-        return self.unmap_from(0)
-
     def _parts(self, first: int, end: int) -> list[tuple[int, int]]:
         """Chunks FIRST to END (excluded), each a part in every plane (a chunk is backed and given back on
         its own)."""

@@ -275,7 +275,7 @@ class ModelPool:
             with self._lock:
                 m.unmap_groups(list(range(len(m.groups))))
                 if m.kv.backing is not None:
-                    m.kv.unmap_all()
+                    m.kv.unmap_from(0)
             raise
         with self._lock:
             m.started = True
