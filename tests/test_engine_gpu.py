@@ -44,6 +44,36 @@ def test_bf16_graphs_equal_eager(tiny_model, engine_factory):
     assert with_graphs == eager
 
 
+def test_decode_graphs_chain_the_engine_kernels_and_leave_library_kernels_plain(tiny_model, engine_factory):
+    """On Hopper, consecutive engine kernels of a decode graph are joined by programmatic edges (each launches
+    while the one before still runs), and an edge from an engine kernel to a cuBLAS kernel stays plain (a
+    library kernel is not known to wait). test_bf16_graphs_equal_eager checks that the chained graphs give
+    eager's tokens."""
+    import torch
+
+    from runtime.cuda_driver import graphs as cu
+    from runtime.engine.kernels.dependent_launch import ENGINE_KERNELS, PLAIN_EDGE, PROGRAMMATIC_EDGE
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs compute capability 9.0 (Hopper) or later")
+    engine = engine_factory(tiny_model("tiny-llama"), device="cuda", dtype="bfloat16", max_num_seqs=16,
+                            max_model_len=256, gpu_memory_utilization=0.2)
+
+    def edges(bs):
+        graph = engine.runner.graphs[bs].raw_cuda_graph()
+        kernels = {n: cu.kernel_node_name(n) for n in cu.graph_nodes(graph) if cu.node_type(n) == cu.NODE_KERNEL}
+        return [(kernels[src], kernels[dst], edge) for dst in kernels for src, edge in cu.node_dependencies(dst)
+                if src in kernels]
+
+    layers = engine.runner.model_config.num_layers
+    one_token = edges(1)
+    assert all(name in ENGINE_KERNELS for src, dst, _ in one_token for name in (src, dst))
+    assert {edge for *_, edge in one_token} == {PROGRAMMATIC_EDGE}
+    assert len(one_token) >= 6 * layers  # norm, qkv, rotary, attention, o, norm, gate_up, down per layer
+    to_library = [edge for src, dst, edge in edges(16) if src in ENGINE_KERNELS and dst not in ENGINE_KERNELS]
+    assert to_library and set(to_library) == {PLAIN_EDGE}  # 16 tokens: the projections are cuBLAS's
+
+
 def test_async_scheduling_with_cuda_graphs_serves_what_one_step_at_a_time_serves(tiny_model, engine_factory):
     # fp32 so that the different batches a run-ahead step makes cannot flip a near-tie
     check_async_scheduling_changes_no_output(tiny_model("tiny-llama"), engine_factory, device="cuda",

@@ -110,16 +110,26 @@ def node_dependencies(node: int) -> list[tuple[int, tuple[int, int, int]]]:
 
 def add_dependencies(graph: int, edges: list[tuple[int, int, tuple[int, int, int]]]) -> None:
     """Add (from node, to node, (from_port, to_port, type)) edges in one call."""
-    if not edges:
-        return
+    if edges:
+        check(lib_holding_gil().cuGraphAddDependencies_v2(c_void_p(graph), *_edge_arrays(edges), c_size_t(len(edges))),
+              "cuGraphAddDependencies")
+
+
+def remove_dependencies(graph: int, edges: list[tuple[int, int, tuple[int, int, int]]]) -> None:
+    """Remove these (from node, to node, (from_port, to_port, type)) edges, each as it is, in one call."""
+    if edges:
+        check(lib_holding_gil().cuGraphRemoveDependencies_v2(c_void_p(graph), *_edge_arrays(edges),
+                                                             c_size_t(len(edges))), "cuGraphRemoveDependencies")
+
+
+def _edge_arrays(edges: list[tuple[int, int, tuple[int, int, int]]]) -> tuple:
     n = len(edges)
     sources = (c_void_p * n)(*[e[0] for e in edges])
     targets = (c_void_p * n)(*[e[1] for e in edges])
     data = (EdgeData * n)()
     for i, (_, _, (from_port, to_port, kind)) in enumerate(edges):
         data[i].from_port, data[i].to_port, data[i].type = from_port, to_port, kind
-    check(lib_holding_gil().cuGraphAddDependencies_v2(c_void_p(graph), sources, targets, data, c_size_t(n)),
-          "cuGraphAddDependencies")
+    return sources, targets, data
 
 
 def kernel_node_params(node: int) -> KernelNodeParams:
@@ -145,6 +155,12 @@ def function_name(func: int) -> str:
     name = c_char_p()
     check(lib().cuFuncGetName(byref(name), c_void_p(func)), "cuFuncGetName")
     return name.value.decode()
+
+
+def kernel_node_name(node: int) -> str:
+    """The name of a kernel node's function (a context-independent kernel's too)."""
+    params = kernel_node_params(node)
+    return function_name(params.func or kernel_function(params.kern))
 
 
 def function_param_layout(func: int) -> list[tuple[int, int]]:

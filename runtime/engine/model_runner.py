@@ -227,21 +227,36 @@ class ModelRunner:
                        sizes: list[int] | None = None) -> None:
         """Capture one decode graph per batch size (`sizes`, default all), largest first, all sharing one
         memory pool. `keep_graphs` keeps each graph's description readable (for materialisation)."""
+        from runtime.engine.kernels import dependent_launch  # Triton: imported on the GPU only
+        from runtime.engine.kernels.gemv import MAX_FEW_ROWS
+
+        link = dependent_launch.supported(self.device)
         for bs in sorted(self.graph_batch_sizes if sizes is None else sizes, reverse=True):
             self._graph_forward(bs)  # warm-up: cuBLAS and Triton set themselves up outside the capture
-            graph = torch.cuda.CUDAGraph(keep_graph=keep_graphs)
-            # thread_local: the weight loader's threads may still be streaming (materialised start), and a
-            # global capture would fail their pinned allocations and event waits
-            with torch.cuda.graph(graph, pool=self.graph_pool, stream=self.capture_stream,
-                                  capture_error_mode="thread_local"):
-                self._graph_forward(bs)
-            if keep_graphs:
+            early = link and bs <= MAX_FEW_ROWS  # steps whose projections are the engine's own kernels
+            graph = self._capture(bs, keep_graphs or link, early)
+            if early and dependent_launch.library_kernels(graph.raw_cuda_graph()):
+                graph = self._capture(bs, True, False)  # a projection went to cuBLAS after all
+            if link:
+                dependent_launch.link_engine_kernels(graph.raw_cuda_graph())
+            if keep_graphs or link:  # kept past the capture: its edges are read or rewritten first
                 graph.instantiate()
             self.graph_pool = graph.pool()
             self.graphs[bs] = graph
             if on_captured is not None:
                 on_captured(bs, graph)
         torch.cuda.synchronize()
+
+    def _capture(self, bs: int, keep: bool, early: bool) -> torch.cuda.CUDAGraph:
+        from runtime.engine.kernels.dependent_launch import early_start
+
+        graph = torch.cuda.CUDAGraph(keep_graph=keep)
+        # thread_local: the weight loader's threads may still be streaming (materialised start), and a global
+        # capture would fail their pinned allocations and event waits
+        with early_start(early), torch.cuda.graph(graph, pool=self.graph_pool, stream=self.capture_stream,
+                                                  capture_error_mode="thread_local"):
+            self._graph_forward(bs)
+        return graph
 
     def _graph_forward(self, bs: int) -> None:
         d = self.decode

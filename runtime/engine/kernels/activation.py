@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from runtime.engine.kernels.dependent_launch import launch_options, wait_for_previous
+
 BLOCK = 1024
 
 
@@ -21,8 +23,9 @@ def swiglu(gate, up):
     return (activated * up.to(tl.float32)).to(gate.dtype)
 
 
-@triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, size, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["early"])
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, size, BLOCK: tl.constexpr, early, PDL: tl.constexpr):
+    wait_for_previous(early, PDL)
     t, chunk = tl.program_id(0), tl.program_id(1)
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
     mask = cols < size
@@ -35,5 +38,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     size = x.shape[-1] // 2
     out = torch.empty((x.shape[0], size), dtype=x.dtype, device=x.device)
     _silu_and_mul_kernel[(x.shape[0], triton.cdiv(size, BLOCK))](x, out, x.stride(0), out.stride(0), size,
-                                                                 BLOCK=BLOCK, num_warps=4)
+                                                                 BLOCK=BLOCK, num_warps=4,
+                                                                 **launch_options(x.device))
     return out

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from runtime.engine.kernels.activation import swiglu
+from runtime.engine.kernels.dependent_launch import launch_options, wait_for_previous
 
 BLOCK_N, BLOCK_K = 8, 1024
 ALIGN = 16  # bytes; Triton specialises pointers (and sizes) on divisibility by 16
@@ -49,7 +50,8 @@ def _input_tile(x_ptr, cols, mask, K, GATED: tl.constexpr):
 
 @triton.jit
 def _one_row(w_ptr, x_ptr, bias_ptr, y_ptr, N, K, has_bias, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-             GATED: tl.constexpr):
+             GATED: tl.constexpr, early, PDL: tl.constexpr):
+    wait_for_previous(early, PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_valid = rows < N
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -65,9 +67,10 @@ def _one_row(w_ptr, x_ptr, bias_ptr, y_ptr, N, K, has_bias, BLOCK_N: tl.constexp
     tl.store(y_ptr + rows, acc.to(y_ptr.dtype.element_ty), mask=row_valid)
 
 
-@triton.jit(do_not_specialize=["M", "has_bias"])
+@triton.jit(do_not_specialize=["M", "has_bias", "early"])
 def _few_rows_kernel(w_ptr, x_ptr, bias_ptr, y_ptr, M, N, K, has_bias, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
+                     BLOCK_K: tl.constexpr, early, PDL: tl.constexpr):
+    wait_for_previous(early, PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     tokens = tl.arange(0, BLOCK_M)
     row_valid, token_valid = rows < N, tokens < M
@@ -88,15 +91,16 @@ def _few_rows_kernel(w_ptr, x_ptr, bias_ptr, y_ptr, M, N, K, has_bias, BLOCK_M: 
 
 # The one-token kernel and its gated twin share a body; the gated one is a kernel of its own, with its own
 # name, for the reason above (snapshots/cudagraph finds a kernel by name)
-@triton.jit(do_not_specialize=["has_bias"])
-def _gemv_kernel(w_ptr, x_ptr, bias_ptr, y_ptr, N, K, has_bias, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    _one_row(w_ptr, x_ptr, bias_ptr, y_ptr, N, K, has_bias, BLOCK_N, BLOCK_K, False)
+@triton.jit(do_not_specialize=["has_bias", "early"])
+def _gemv_kernel(w_ptr, x_ptr, bias_ptr, y_ptr, N, K, has_bias, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 early, PDL: tl.constexpr):
+    _one_row(w_ptr, x_ptr, bias_ptr, y_ptr, N, K, has_bias, BLOCK_N, BLOCK_K, False, early, PDL)
 
 
-@triton.jit(do_not_specialize=["has_bias"])
+@triton.jit(do_not_specialize=["has_bias", "early"])
 def _gated_gemv_kernel(w_ptr, x_ptr, bias_ptr, y_ptr, N, K, has_bias, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr):
-    _one_row(w_ptr, x_ptr, bias_ptr, y_ptr, N, K, has_bias, BLOCK_N, BLOCK_K, True)
+                       BLOCK_K: tl.constexpr, early, PDL: tl.constexpr):
+    _one_row(w_ptr, x_ptr, bias_ptr, y_ptr, N, K, has_bias, BLOCK_N, BLOCK_K, True, early, PDL)
 
 
 MAX_FEW_ROWS = 8
@@ -135,11 +139,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         _few_rows_kernel[(triton.cdiv(n, FEW_BLOCK_N),)](weight, x, weight if bias is None else bias, out, m, n, k,
                                                        0 if bias is None else 1, BLOCK_M=FEW_BLOCK_M,
                                                        BLOCK_N=FEW_BLOCK_N, BLOCK_K=FEW_BLOCK_K, num_warps=4,
-                                                       num_stages=3)
+                                                       num_stages=3, **launch_options(x.device))
         return out
     # without a bias the weight stands in for its pointer: never read, and aligned like the real one
     one_row = _gated_gemv_kernel if gated else _gemv_kernel
     one_row[(triton.cdiv(n, BLOCK_N),)](weight, x, weight if bias is None else bias, out, n, k,
                                         0 if bias is None else 1, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=8,
-                                        num_stages=3)
+                                        num_stages=3, **launch_options(x.device))
     return out

@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from runtime.engine.kernels.dependent_launch import launch_options, wait_for_previous
 from runtime.engine.kernels.shape_class import row_block, row_warps
 
 
@@ -23,8 +24,10 @@ def _normalise_row(x, w_ptr, out_row, cols, mask, size, eps, dtype: tl.constexpr
     tl.store(out_row + cols, (normed * w).to(dtype), mask=mask)
 
 
-@triton.jit
-def _rms_norm_kernel(x_ptr, weight_ptr, out_ptr, stride_x, stride_o, size, eps, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["early"])
+def _rms_norm_kernel(x_ptr, weight_ptr, out_ptr, stride_x, stride_o, size, eps, BLOCK: tl.constexpr,
+                     early, PDL: tl.constexpr):
+    wait_for_previous(early, PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < size
@@ -35,10 +38,11 @@ def _rms_norm_kernel(x_ptr, weight_ptr, out_ptr, stride_x, stride_o, size, eps, 
 # A kernel of its own for the q/k norm (Qwen3), not the row kernel with a second index: the two run at
 # different BLOCKs in one model, and a materialised graph finds its kernels by name (snapshots/cudagraph), which
 # two specialisations of one Triton function share.
-@triton.jit
+@triton.jit(do_not_specialize=["early"])
 def _head_rms_norm_kernel(x_ptr, weight_ptr, out_ptr, stride_x0, stride_x1, stride_o0, stride_o1, size, eps,
-                          BLOCK: tl.constexpr):
+                          BLOCK: tl.constexpr, early, PDL: tl.constexpr):
     # Rows are addressed by two indices so a [tokens, heads, head_dim] view needs no copy.
+    wait_for_previous(early, PDL)
     i, j = tl.program_id(0), tl.program_id(1)
     cols = tl.arange(0, BLOCK)
     mask = cols < size
@@ -47,8 +51,10 @@ def _head_rms_norm_kernel(x_ptr, weight_ptr, out_ptr, stride_x0, stride_x1, stri
                    x_ptr.dtype.element_ty)
 
 
-@triton.jit
-def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, stride_x, stride_r, size, eps, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["early"])
+def _add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, stride_x, stride_r, size, eps, BLOCK: tl.constexpr,
+                         early, PDL: tl.constexpr):
+    wait_for_previous(early, PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < size
@@ -65,15 +71,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     # a row of the hidden size at its shape class's block; the q/k norm's row, a head, at its own size
     block = row_block(size) if x.dim() == 2 else triton.next_power_of_2(size)
     warps = row_warps(block)
+    launch = launch_options(x.device)
     if residual is not None:
         _add_rms_norm_kernel[(x.shape[0],)](x, residual, weight, x.stride(0), residual.stride(0), size, eps,
-                                            BLOCK=block, num_warps=warps)
+                                            BLOCK=block, num_warps=warps, **launch)
         return x, residual
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if x.dim() == 3:
         _head_rms_norm_kernel[(x.shape[0], x.shape[1])](x, weight, out, x.stride(0), x.stride(1), out.stride(0),
-                                                        out.stride(1), size, eps, BLOCK=block, num_warps=warps)
+                                                        out.stride(1), size, eps, BLOCK=block, num_warps=warps,
+                                                        **launch)
     else:
         _rms_norm_kernel[(x.shape[0],)](x, weight, out, x.stride(0), out.stride(0), size, eps, BLOCK=block,
-                                        num_warps=warps)
+                                        num_warps=warps, **launch)
     return out

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from runtime.engine.attention_metadata import AttentionMetadata
+from runtime.engine.kernels.dependent_launch import launch_options, wait_for_previous
 
 BLOCK_N = 64
 
@@ -27,7 +28,7 @@ BLOCK_N = 64
 # The group (query heads per KV head) and the tile's query tokens are runtime arguments, unspecialised: the
 # compiled kernel is one per shape class (BLOCK_M rows, the head dimension), shared by every model of that
 # class (runtime/engine/kernels/shape_class.py)
-@triton.jit(do_not_specialize=["group", "block_q"])
+@triton.jit(do_not_specialize=["group", "block_q", "early"])
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     tile_seq_ptr, tile_q_start_ptr, query_start_ptr, seq_lens_ptr, block_tables_ptr,
@@ -36,8 +37,9 @@ def _paged_attention_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kslot, stride_kh, stride_vslot, stride_vh, stride_bt,
     group, block_q, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr, PRECISION: tl.constexpr,
-    CAN_SPLIT: tl.constexpr,
+    CAN_SPLIT: tl.constexpr, early, PDL: tl.constexpr,
 ):
+    wait_for_previous(early, PDL)
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -182,7 +184,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         group, meta.block_q, BLOCK_M=block_m, BLOCK_N=BLOCK_N,
         HEAD_DIM=head_dim, BLOCK_D=block_d, KV_BLOCK_SIZE=block_size,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32", CAN_SPLIT=can_split,
-        num_warps=4 if block_m <= 32 else 8,
+        num_warps=4 if block_m <= 32 else 8, **launch_options(q.device),
     )
     return out
 
