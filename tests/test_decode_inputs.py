@@ -43,16 +43,18 @@ def test_staged_decode_inputs_are_the_batch_padded_whatever_was_staged_before():
                 seq["table"].append(rng.randrange(100))
         if not running:
             continue
-        bs = next(b for b in (1, 2, 4, 8) if b >= len(running))
-        ids = [rng.randrange(500) for _ in running]
-        positions = [seq["len"] - 1 for seq in running]
-        slots = [rng.randrange(1000) for _ in running]
-        staging.fill(bs, ids, positions, slots, [seq["table"] for seq in running])
+        # a sequence's prompt tokens after a cached prefix are rows of their own that share its table
+        rows = [seq for seq in running for _ in range(rng.choice((1, 1, 1, 2, 3)))][:MAX_BS]
+        bs = next(b for b in (1, 2, 4, 8) if b >= len(rows))
+        ids = [rng.randrange(500) for _ in rows]
+        positions = [seq["len"] - 1 for seq in rows]
+        slots = [rng.randrange(1000) for _ in rows]
+        staging.fill(bs, ids, positions, slots, [seq["table"] for seq in rows])
         staging.upload(bs)
 
         assert decode.input_ids[:bs].tolist() == padded(ids, bs, 0), step
         assert decode.positions[:bs].tolist() == padded(positions, bs, 0), step
         assert decode.slot_mapping[:bs].tolist() == padded(slots, bs, 0), step
         assert decode.seq_lens[:bs].tolist() == padded([p + 1 for p in positions], bs, 1), step
-        tables = padded([seq["table"] for seq in running], bs, [])
+        tables = padded([seq["table"] for seq in rows], bs, [])
         assert decode.block_tables[:bs].tolist() == [padded(t, MAX_BLOCKS, 0) for t in tables], step

@@ -65,9 +65,17 @@ class DecodeStaging:
     def _fill_table_row(self, i: int, table: list[int]) -> None:
         # A sequence's block table only grows at its end while it holds its blocks (BlockManager.grow
         # extends the list; free replaces it with a new one): the same list as last step needs only its
-        # new entries written. A different list is written whole, and what is left of the old one zeroed.
+        # new entries written. The rows of one sequence's prompt tokens (after a cached prefix) share a list:
+        # a row is copied from the one above, just written. Any other list is written whole, and what is left
+        # of the old one zeroed.
         width, old_width = len(table), self._row_widths[i]
-        start = old_width if table is self._row_tables[i] else 0
+        if table is self._row_tables[i]:
+            start = old_width
+        elif i and table is self._row_tables[i - 1]:
+            self._tables[i, :width] = self._tables[i - 1, :width]
+            start = width
+        else:
+            start = 0
         if width > start:
             self._tables[i, start:width] = table[start:]
         if old_width > width:
