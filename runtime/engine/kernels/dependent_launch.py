@@ -17,10 +17,10 @@ writes. Outside such graphs the kernels let nothing start early, and launched pl
 
 Only graphs made of engine kernels alone start early: the decode steps of one to eight tokens, whose
 projections are the engine's own (runtime/engine/kernels/gemv.py). On the H100, graphs that also held cuBLAS
-kernels, with the engine kernels starting their successors early, gave outputs that differed between the
-captured graph and its materialised copy, even with every edge into a cuBLAS kernel plain; the cause was not
-found, so those graphs keep the triggers off (their engine kernels still wait, which is then a no-op or a
-wait on a programmatic edge from another engine kernel, and those graphs reproduced bit for bit).
+kernels, with the engine kernels starting their successors early, matched eager live but their materialised
+copies did not reproduce them (docs/engine.md, "Dependent launch"), so those graphs keep the triggers off:
+their engine kernels still wait, which is then a no-op or a wait on a programmatic edge from another engine
+kernel, and those graphs reproduce bit for bit.
 
 The chain is sound because every kernel on a programmatic edge waits: a kernel past its wait knows its
 predecessor has finished, which had itself waited for its own. Off in Triton's CPU interpreter (which has no
