@@ -92,6 +92,7 @@ def sweep(shape_names: list[str], replays: int) -> list[dict]:
     import torch
     import triton
 
+    from runtime.engine.kernels.dependent_launch import launch_options
     from runtime.engine.kernels.gemv import _gemv_kernel
 
     rows = []
@@ -106,7 +107,8 @@ def sweep(shape_names: list[str], replays: int) -> list[dict]:
                 def launch(a, w, bn=bn, bk=bk, warps=warps, stages=stages):
                     out = torch.empty((1, w.shape[0]), dtype=a.dtype, device=a.device)
                     _gemv_kernel[(triton.cdiv(w.shape[0], bn),)](w, a, w, out, w.shape[0], w.shape[1], 0, BLOCK_N=bn,
-                                                                  BLOCK_K=bk, num_warps=warps, num_stages=stages)
+                                                                  BLOCK_K=bk, num_warps=warps, num_stages=stages,
+                                                                  **launch_options(a.device))
                     return out
                 seconds = time_product(launch, weights, x, replays)
                 rows.append({"shape": shape_name, "projection": name, "config": [bn, bk, warps, stages],
