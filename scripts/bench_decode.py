@@ -124,16 +124,21 @@ def random_hf_model(name: str, model_dir: Path):
         return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=torch.bfloat16).eval()
 
 
+def started_engine(model_dir: Path, hf, **config) -> Engine:
+    """An engine on cuda, bf16, with the weights of HF (a `random_hf_model`), started: graphs captured."""
+    engine = Engine.build(model_dir, copy_from(hf.state_dict()),
+                          EngineConfig(device="cuda", dtype="bfloat16", **config))
+    engine.start()
+    return engine
+
+
 def bench_shape(name: str, batches: list[int], steps: int) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp)
         hf = random_hf_model(name, model_dir)
         hf_rates = {b: hf_decode_rate(hf, b, steps) for b in batches}
-        engine = Engine.build(model_dir, copy_from(hf.state_dict()),
-                              EngineConfig(device="cuda", dtype="bfloat16", max_model_len=2048, max_num_seqs=256,
-                                           gpu_memory_utilization=0.6))
-        engine.start()
+        engine = started_engine(model_dir, hf, max_model_len=2048, max_num_seqs=256, gpu_memory_utilization=0.6)
         del hf
         torch.cuda.empty_cache()
         weight_bytes = engine.plan.total_bytes

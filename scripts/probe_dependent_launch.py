@@ -21,9 +21,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from runtime.bench.machine import describe_machine  # noqa: E402
 from runtime.cuda_driver import graphs as cu  # noqa: E402
-from runtime.engine import Engine, EngineConfig  # noqa: E402
+from runtime.engine import Engine  # noqa: E402
 from runtime.engine.kernels import dependent_launch  # noqa: E402
-from scripts.bench_decode import copy_from, random_hf_model  # noqa: E402
+from scripts.bench_decode import random_hf_model, started_engine  # noqa: E402
 
 # CUlaunchAttributeID: programmatic stream serialization, programmatic event
 DEPENDENT_ATTRIBUTES = {6: "programmatic_stream_serialization", 7: "programmatic_event"}
@@ -73,8 +73,9 @@ def probe(engine: Engine, bs: int, replays: int) -> dict:
         row = {"batch": bs}
         for early in (False, True):
             graph = runner._capture(bs, True, early)
-            row[f"library_kernels_{early}"] = len(dependent_launch.library_kernels(graph.raw_cuda_graph()))
-            row[f"programmatic_edges_{early}"] = dependent_launch.link_engine_kernels(graph.raw_cuda_graph())
+            linked = dependent_launch.link_engine_kernels(graph.raw_cuda_graph())
+            row[f"library_kernels_{early}"] = linked.library_kernels
+            row[f"programmatic_edges_{early}"] = linked.programmatic_edges
             row[f"library_node_attributes_{early}"] = attribute_counts(graph)
             graph.instantiate()
             differing = 0
@@ -97,11 +98,8 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         hf = random_hf_model(args.shape, Path(tmp))
-        engine = Engine.build(Path(tmp), copy_from(hf.state_dict()),
-                              EngineConfig(device="cuda", dtype="bfloat16", max_model_len=2048,
-                                           max_num_seqs=max(args.batch), gpu_memory_utilization=0.5,
-                                           cuda_graph_batch_sizes=sorted(args.batch)))
-        engine.start()
+        engine = started_engine(Path(tmp), hf, max_model_len=2048, max_num_seqs=max(args.batch),
+                                gpu_memory_utilization=0.5, cuda_graph_batch_sizes=sorted(args.batch))
         del hf
         rows = [probe(engine, bs, args.replays) for bs in args.batch]
         engine.shutdown()

@@ -21,17 +21,14 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from runtime.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
-from scripts.bench_decode import copy_from, graph_replay_ms, random_hf_model  # noqa: E402
+from runtime.engine import Engine, SamplingParams  # noqa: E402
+from scripts.bench_decode import graph_replay_ms, random_hf_model, started_engine  # noqa: E402
 from scripts.model_shapes import SHAPES  # noqa: E402
 
 
 def build(name: str, directory: Path) -> Engine:
     hf = random_hf_model(name, directory)
-    engine = Engine.build(directory, copy_from(hf.state_dict()),
-                          EngineConfig(device="cuda", dtype="bfloat16", max_model_len=4096, max_num_seqs=64,
-                                       gpu_memory_utilization=0.5))
-    engine.start()
+    engine = started_engine(directory, hf, max_model_len=4096, max_num_seqs=64, gpu_memory_utilization=0.5)
     del hf
     torch.cuda.empty_cache()
     return engine

@@ -235,10 +235,11 @@ class ModelRunner:
             self._graph_forward(bs)  # warm-up: cuBLAS and Triton set themselves up outside the capture
             early = link and bs <= MAX_FEW_ROWS  # steps whose projections are the engine's own kernels
             graph = self._capture(bs, keep_graphs or link, early)
-            if early and dependent_launch.library_kernels(graph.raw_cuda_graph()):
-                graph = self._capture(bs, True, False)  # a projection went to cuBLAS after all
             if link:
-                dependent_launch.link_engine_kernels(graph.raw_cuda_graph())
+                linked = dependent_launch.link_engine_kernels(graph.raw_cuda_graph())
+                if early and linked.library_kernels:  # a projection went to cuBLAS after all
+                    graph = self._capture(bs, True, False)
+                    dependent_launch.link_engine_kernels(graph.raw_cuda_graph())
             if keep_graphs or link:  # kept past the capture: its edges are read or rewritten first
                 graph.instantiate()
             self.graph_pool = graph.pool()

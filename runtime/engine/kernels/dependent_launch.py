@@ -33,6 +33,7 @@ import functools
 import os
 import threading
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
@@ -98,30 +99,31 @@ def wait_for_previous(early, PDL: tl.constexpr):
             gdc_launch_dependents()
 
 
-def library_kernels(graph: int) -> list[str]:
-    """The names of GRAPH's kernels that are not the engine's."""
-    return [name for name in _kernel_names(graph).values() if name not in ENGINE_KERNELS]
+@dataclass
+class LinkedGraph:
+    programmatic_edges: int  # edges between two engine kernels
+    library_kernels: int  # kernels that are not the engine's (cuBLAS's)
 
 
-def link_engine_kernels(graph: int) -> int:
+def link_engine_kernels(graph: int) -> LinkedGraph:
     """Make every edge between two engine kernels of the captured GRAPH (a CUgraph, not yet instantiated)
-    programmatic, and every edge from an engine kernel to another kernel plain. Returns the programmatic
-    edges."""
+    programmatic, and every edge from an engine kernel to another kernel plain."""
     from runtime.cuda_driver import graphs as cu
 
     names = _kernel_names(graph)
-    old, new = [], []
+    old, new, programmatic = [], [], 0
     for node, name in names.items():
         for source, edge in cu.node_dependencies(node):
             if source not in names or names[source] not in ENGINE_KERNELS:
                 continue
             wanted = PROGRAMMATIC_EDGE if name in ENGINE_KERNELS else PLAIN_EDGE
+            programmatic += wanted == PROGRAMMATIC_EDGE
             if edge != wanted:
                 old.append((source, node, edge))
                 new.append((source, node, wanted))
     cu.remove_dependencies(graph, old)
     cu.add_dependencies(graph, new)
-    return sum(1 for *_, edge in new if edge == PROGRAMMATIC_EDGE)
+    return LinkedGraph(programmatic, sum(1 for name in names.values() if name not in ENGINE_KERNELS))
 
 
 def _kernel_names(graph: int) -> dict[int, str]:
