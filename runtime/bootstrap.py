@@ -21,6 +21,7 @@ from runtime.config import ConfigError, Settings
 from runtime.logs import get_logger, setup_logging
 from runtime.start_paths import SkipPath, read_restore_order
 from runtime.timeline import Timeline
+from snapshots import early_restore
 
 if TYPE_CHECKING:
     from runtime.engine import Engine
@@ -41,6 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for model in settings.models:
             check_model_ref(model.ref)
     except ConfigError as exc:
+        early_restore.abandon()
         return _config_error(exc, lambda_api)
     setup_logging(settings.log_level)
     several = len(settings.models) > 1
@@ -60,6 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             gc.enable()
         if status is not None:
             return status
+    early_restore.abandon()  # one the entry point started: undone where this start restores nothing
     try:
         # After any restore: a bootstrap that restores a snapshot never needs the handler's imports
         # (starlette's alone take a tenth of a second), and the restored runtime has them already.

@@ -264,6 +264,14 @@ class Settings:
         "PRIME_DRIVER", _bool, True,
         "process snapshots on cuda: a short-lived process runs cuInit while CRIU restores the runtime, so that "
         "the restored runtime's own finds the driver warm (0: the runtime initialises CUDA alone)")
+    early_restore: bool = _setting(
+        "EARLY_RESTORE", _bool, True,
+        "faas-bootstrap starts restoring the CRIU snapshot it would restore first before importing the rest of "
+        "the runtime, whose checks then take that restore over or undo it (0: CRIU starts after the checks)")
+    lazy_pages: bool = _setting(
+        "LAZY_PAGES", _bool, False,
+        "process snapshots: the restored runtime runs before its memory is all back; a criu lazy-pages daemon "
+        "copies the rest in behind it and serves its page faults first (userfaultfd)")
     handler: str = _setting(
         "HANDLER", str, "handlers.openai:handler", "module:attribute of the handler to serve")
     served_model_name: str | None = _setting(

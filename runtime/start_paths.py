@@ -3,16 +3,20 @@
 
 The order is the one faas-build measured (`restore-order.json` in SNAPSHOT_DIR: each baked snapshot started
 for real, in turns, fastest median first) or, without a valid measurement, the fixed one below. Kept apart
-from the server, json only, so that a bootstrap about to restore a snapshot imports nothing it will not use.
+from the server, json only (no dataclasses, pathlib or typing: the entry point reads the order before any of
+them is imported, snapshots/early_restore.py), so that a start about to restore a snapshot imports nothing it
+will not use.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+import os
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Any
 
 RESTORE_PATHS = ("gpu", "process", "materialized", "cold")
 #: the restore paths faster than cold, in the order tried when faas-build measured none
@@ -25,15 +29,23 @@ class SkipPath(Exception):
     """A restore path cannot be taken on this machine (no snapshot, fingerprint mismatch...): fall back."""
 
 
-@dataclass(frozen=True)
 class RestoreOrder:
-    """The order auto tries the restore paths in, and what it rests on."""
+    """The order auto tries the restore paths in, and what it rests on: PATHS; SECONDS, path -> median seconds
+    from spawn to first token as faas-build measured them (empty: fixed order); REASON, why the fixed order
+    is used (no measurement, or an invalid one; empty when measured)."""
 
-    paths: tuple[str, ...] = FIXED_ORDER
-    #: path -> median seconds from spawn to first token, as faas-build measured them (empty: fixed order)
-    seconds: dict[str, float] = field(default_factory=dict)
-    #: why the fixed order is used (no measurement, or an invalid one); empty when measured
-    reason: str = ""
+    __slots__ = ("paths", "seconds", "reason")
+
+    def __init__(self, paths: tuple[str, ...] = FIXED_ORDER, seconds: dict[str, float] | None = None,
+                 reason: str = "") -> None:
+        self.paths, self.seconds, self.reason = tuple(paths), dict(seconds or {}), reason
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RestoreOrder) and (self.paths, self.seconds, self.reason) == (
+            other.paths, other.seconds, other.reason)
+
+    def __repr__(self) -> str:
+        return f"RestoreOrder(paths={self.paths!r}, seconds={self.seconds!r}, reason={self.reason!r})"
 
     @property
     def measured(self) -> bool:
@@ -64,15 +76,16 @@ class RestoreOrder:
         return f"restore order {', '.join(self.paths)} (measured by faas-build, spawn to first token: {timed}{ahead})"
 
 
-def read_restore_order(snapshot_dir: Path | None) -> RestoreOrder:
+def read_restore_order(snapshot_dir: str | os.PathLike | None) -> RestoreOrder:
     """The measured order in SNAPSHOT_DIR, or the fixed one with the reason. Never raises: a damaged file
     must not keep a function from starting. Measured paths come first, fastest first; the others keep their
     fixed order after them."""
     if snapshot_dir is None:
         return RestoreOrder(reason="SNAPSHOT_DIR is not set")
-    path = Path(snapshot_dir) / ORDER_FILE
+    path = os.path.join(snapshot_dir, ORDER_FILE)
     try:
-        data = json.loads(path.read_text())
+        with open(path) as f:
+            data = json.load(f)
     except FileNotFoundError:
         return RestoreOrder(reason=f"no {ORDER_FILE} in {snapshot_dir}")
     except (OSError, ValueError) as exc:

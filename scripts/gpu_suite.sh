@@ -20,16 +20,17 @@
 #   verify:SHAPE        scripts/bench_snapshot_verify.py on SHAPE's process and gpu snapshots: what checking
 #                       the image files adds to a restore
 #   auto:SHAPE          faas-bootstrap with RESTORE=auto on the baked snapshots: the path it took and the
-#                       order faas-build measured (its /health), into $RESULTS/auto-h100-SHAPE.json
+#                       order faas-build measured (its /health), into $RESULTS/auto-$GPU-SHAPE.json
 #   trace:SHAPE         faas-bench trace on SHAPE's layout and snapshots ($TRACE_ARGS added: --modes, --rates,
-#                       --requests, --max-instances, ...), into $RESULTS/trace-h100-SHAPE[-$TRACE_NAME];
+#                       --requests, --max-instances, ...), into $RESULTS/trace-$GPU-SHAPE[-$TRACE_NAME];
 #                       TRACE_COPIES=N: N snapshot directories (the $COPY_KINDS snapshots, default gpu,process,
 #                       baked again for each), one per instance running at once, each in a pid namespace
 #   serving:SHAPE       scripts/bench_serving.py (throughput, prefix caching, chunked prefill; $SERVING_ARGS added)
 #   probe               scripts/probe_cuda_start.py: the driver's load, cuInit, the context, first cuBLAS call
 #   switch              faas-bench switch (several models in one instance; $SWITCH_ARGS added)
 #
-# Results (JSON, PNG, logs, junit) go to $RESULTS (default results/). Each step prints what it runs.
+# Results (JSON, PNG, logs, junit) go to $RESULTS (default results/), named with the GPU ($GPU: h100, h200,
+# from nvidia-smi). Each step prints what it runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -43,6 +44,17 @@ mkdir -p "$RESULTS" "$MODELS"
 export PYTHONUNBUFFERED=1 PYTHONPATH="/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
 say() { echo "gpu_suite [$(date +%T)] $*"; }
+
+gpu_tag() {
+    local name
+    name=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+    case $name in
+        *H200*) echo h200 ;;
+        *H100*) echo h100 ;;
+        *) echo gpu ;;
+    esac
+}
+GPU=${GPU:-$(gpu_tag)}
 
 setup() {
     if [ -d "$WHEELS" ]; then
@@ -93,7 +105,7 @@ coldstart() {
     local shape=$1 cache=$2 dir
     dir=$(model_dir "$shape")
     [ -d "$dir-baked" ] || bake "$shape"
-    local name="coldstart-h100-$shape"
+    local name="coldstart-$GPU-$shape"
     [ "$cache" = dropped ] && name="$name-dropped"
     say "faas-bench coldstart $shape (page cache $cache)"
     "$PY" -m runtime.bench.cli coldstart --model "$dir-baked/layout" --baseline-model "$dir" \
@@ -108,7 +120,7 @@ verify() {
     for kind in process gpu; do
         say "bench_snapshot_verify $shape $kind"
         MODEL="$dir-baked/layout" DEVICE=cuda "$PY" scripts/bench_snapshot_verify.py \
-            --snapshot-dir "$dir-baked/snapshots" --kind "$kind" --out "$RESULTS/snapshot-verify-h100-$shape-$kind.json"
+            --snapshot-dir "$dir-baked/snapshots" --kind "$kind" --out "$RESULTS/snapshot-verify-$GPU-$shape-$kind.json"
     done
 }
 
@@ -117,7 +129,7 @@ auto_start() {
     dir=$(model_dir "$shape")
     [ -d "$dir-baked" ] || bake "$shape"
     say "faas-bootstrap RESTORE=auto $shape"
-    "$PY" - "$dir-baked" "$RESULTS/auto-h100-$shape.json" <<'EOF'
+    "$PY" - "$dir-baked" "$RESULTS/auto-$GPU-$shape.json" <<'EOF'
 import asyncio, json, sys
 from pathlib import Path
 import httpx
@@ -160,7 +172,7 @@ trace() {
     say "faas-bench trace $shape"
     # shellcheck disable=SC2086
     "$PY" -m runtime.bench.cli trace --model "$dir-baked/layout" "${snapshots[@]}" \
-        --device cuda --out "$RESULTS/trace-h100-$shape${TRACE_NAME:+-$TRACE_NAME}" ${TRACE_ARGS:-}
+        --device cuda --out "$RESULTS/trace-$GPU-$shape${TRACE_NAME:+-$TRACE_NAME}" ${TRACE_ARGS:-}
 }
 
 serving() {
@@ -170,14 +182,14 @@ serving() {
     say "bench_serving $1"
     # SERVING_ARGS: more bench_serving arguments (--parts prefix mix, --no-transformers, ...)
     # shellcheck disable=SC2086
-    "$PY" scripts/bench_serving.py --model "$dir" --out "$RESULTS/serving-h100-$1.json" ${SERVING_ARGS:-}
+    "$PY" scripts/bench_serving.py --model "$dir" --out "$RESULTS/serving-$GPU-$1.json" ${SERVING_ARGS:-}
 }
 
 switch() {
     say "faas-bench switch"
     # SWITCH_ARGS: more faas-bench switch arguments (--shapes, --rates, --duration, ...)
     # shellcheck disable=SC2086
-    "$PY" -m runtime.bench.cli switch --models-dir "$MODELS" --device cuda --out "$RESULTS/switch-h100" \
+    "$PY" -m runtime.bench.cli switch --models-dir "$MODELS" --device cuda --out "$RESULTS/switch-$GPU" \
         ${SWITCH_ARGS:-}
 }
 
@@ -194,7 +206,7 @@ for step in "$@"; do
         trace:*) trace "${step#trace:}" ;;
         serving:*) serving "${step#serving:}" ;;
         switch) switch ;;
-        probe) say "probe_cuda_start"; "$PY" scripts/probe_cuda_start.py --out "$RESULTS/cuda-start-h100.json" ;;
+        probe) say "probe_cuda_start"; "$PY" scripts/probe_cuda_start.py --out "$RESULTS/cuda-start-$GPU.json" ;;
         *) echo "gpu_suite: unknown step $step" >&2; exit 2 ;;
     esac
 done

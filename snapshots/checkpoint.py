@@ -9,14 +9,11 @@ the whole restored tree, so a restore that fails midway leaves nothing behind.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,14 +23,11 @@ from runtime.config import Settings
 from runtime.logs import get_logger
 from snapshots import handoff
 from snapshots.criu import Criu, CriuError
-from snapshots.image import IMAGES
+from snapshots.restore_run import CRIU_OPTIONS, IMAGES, RestoreRun, kill_tree
 
 log = get_logger("snapshots.checkpoint")
 
-PR_SET_CHILD_SUBREAPER = 36
 REPO_ROOT = Path(__file__).resolve().parents[1]
-#: options of every dump and restore: the handoff socket is ours; deleted-but-open files are linked back
-CRIU_OPTIONS = ["--link-remap"]
 
 
 class SnapshotError(RuntimeError):
@@ -105,19 +99,23 @@ def dump(criu: Criu, frozen: Frozen, directory: Path, extra: list[str] = ()) -> 
     return time.time() - started
 
 
+def start_restore(criu: Criu, directory: Path, extra: list[str] = ()) -> RestoreRun:
+    """criu restore of the snapshot in DIRECTORY, detached, in the background: the restored init becomes our
+    child (we are its subreaper). CRIU undoes a restore that fails."""
+    return RestoreRun(criu.path, directory / IMAGES, [*CRIU_OPTIONS, *extra])
+
+
+def finish_restore(run: RestoreRun) -> tuple[int, float]:
+    """The restored init's pid and CRIU's seconds; raises SnapshotError."""
+    try:
+        return run.wait()
+    except (CriuError, OSError) as exc:
+        raise SnapshotError(str(exc)) from None
+
+
 def restore(criu: Criu, directory: Path, extra: list[str] = ()) -> tuple[int, float]:
-    """criu restore, detached: the restored init becomes our child (we are its subreaper). Returns its pid
-    and the seconds taken. CRIU undoes a restore that fails."""
-    set_subreaper()
-    with tempfile.TemporaryDirectory(prefix="thawllm-restore-") as tmp:
-        pidfile = Path(tmp) / "pid"
-        started = time.time()
-        try:
-            criu.run(["restore", "-D", str(directory / IMAGES), "-d", "--pidfile", str(pidfile),
-                      *CRIU_OPTIONS, *extra], Path(tmp) / "restore.log")
-        except CriuError as exc:
-            raise SnapshotError(str(exc)) from None
-        return int(pidfile.read_text()), time.time() - started
+    """`start_restore`, waited for."""
+    return finish_restore(start_restore(criu, directory, extra))
 
 
 def hand_over(pid: int, snapshot_id: str, message: handoff.Handoff, timeout: float,
@@ -135,21 +133,6 @@ def hand_over(pid: int, snapshot_id: str, message: handoff.Handoff, timeout: flo
     except BaseException:
         kill_tree(pid)
         raise
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILL the restored root; as the init of its pid namespace, the kernel kills the rest with it."""
-    try:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-    except (ProcessLookupError, ChildProcessError):
-        pass
-
-
-def set_subreaper() -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
 
 
 def settings_environ(settings: Settings, base: dict[str, str] | None = None) -> dict[str, str]:

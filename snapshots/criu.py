@@ -1,5 +1,6 @@
 """CRIU from Python: find the binary, know its version, say whether this machine lets it checkpoint and
-restore, and run it. Every "cannot" is a one-line reason, shown in the log and at /health."""
+restore, and run it (a restore in the background: snapshots/restore_run.py). Every "cannot" is a one-line
+reason, shown in the log and at /health."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from snapshots.restore_run import INSTALLED_CRIU
+
 #: where scripts/install_criu.sh puts its wrapper; $THAWLLM_CRIU first, `criu` on PATH last
-INSTALLED = Path("/opt/thawllm-criu/bin/criu")
+INSTALLED = Path(INSTALLED_CRIU)
 #: the installed criu's version, written by the install: reading it saves running criu (bash, its own
 #: loader, criu) before every restore, 30-80 ms
 INSTALLED_VERSION = INSTALLED.parents[1] / "VERSION"
@@ -37,10 +40,9 @@ class Criu:
         try:
             result = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
-            raise CriuError(f"criu {args[0]} timed out after {timeout:.0f} s{_tail(log_file)}") from None
+            raise timed_out(args[0], timeout, log_file) from None
         if result.returncode != 0:
-            cause = _first_error(log_file) or result.stderr.strip()[-300:]
-            raise CriuError(f"criu {args[0]} exited {result.returncode}: {cause}{_tail(log_file)}")
+            raise failure(args[0], result.returncode, result.stderr, log_file)
 
 
 def find_criu() -> Criu | None:
@@ -116,6 +118,16 @@ def _status_field(name: str) -> str | None:
             if line.startswith(name + ":"):
                 return line.split(":", 1)[1].strip()
     return None
+
+
+def failure(command: str, returncode: int, stderr: str, log_file: Path) -> CriuError:
+    """The error of a criu COMMAND that exited RETURNCODE: its first logged error, else its stderr's end."""
+    cause = _first_error(log_file) or stderr.strip()[-300:]
+    return CriuError(f"criu {command} exited {returncode}: {cause}{_tail(log_file)}")
+
+
+def timed_out(command: str, timeout: float, log_file: Path) -> CriuError:
+    return CriuError(f"criu {command} timed out after {timeout:.0f} s{_tail(log_file)}")
 
 
 def _first_error(log_file: Path) -> str:

@@ -11,9 +11,7 @@ from pathlib import Path
 
 from snapshots.fingerprint import Fingerprint
 from snapshots.integrity import Verification
-
-MANIFEST = "manifest.json"
-IMAGES = "images"
+from snapshots.restore_run import IMAGES, MANIFEST, image_file_problem
 #: why a several-model instance has no gpu snapshot (its process snapshot holds the engines before CUDA)
 SEVERAL_MODELS_NO_GPU = ("a several-model instance has no gpu snapshot: its image would hold started pools, whose "
                          "VMM ranges give their backing back while idle, which the CUDA checkpoint path does not "
@@ -73,12 +71,9 @@ class SnapshotImage:
 
     def check_files(self, directory: Path) -> None:
         """Every image file there, with the size it was written with (cheap: no reading)."""
-        for name, size in self.files.items():
-            path = directory / IMAGES / name
-            if not path.is_file():
-                raise ImageError(f"image file {name} is missing")
-            if path.stat().st_size != size:
-                raise ImageError(f"image file {name} is {path.stat().st_size} bytes, baked {size}")
+        problem = image_file_problem(directory / IMAGES, self.files)
+        if problem is not None:
+            raise ImageError(problem)
         if set(self.digests) != set(self.files):
             raise ImageError("the snapshot has no digests of its image files (baked by an older faas-build): "
                              "bake it again")

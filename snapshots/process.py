@@ -25,6 +25,7 @@ from snapshots.criu import Criu, find_criu, restore_blockers
 from snapshots.fingerprint import current_fingerprint, resolved_device
 from snapshots.image import IMAGES, SnapshotImage, list_image_files
 from snapshots.integrity import HASH, Verification, digest_files
+from snapshots.restore_run import LAZY_OPTIONS, RestoreRun
 
 if TYPE_CHECKING:
     from snapshots.cuda_checkpoint import RestoreHelper
@@ -63,16 +64,18 @@ def bake_process_snapshot(settings: Settings, model_dir: Path | None, snapshot_d
 CACHED_ENOUGH = 0.95
 
 
-def process_hooks(weights_during_restore: str) -> CriuHooks:
+def process_hooks(weights_during_restore: str, lazy_pages: bool = False) -> CriuHooks:
     """At boot, a process snapshot of a CUDA engine gets its weights from a helper that streams them while
     CRIU restores (WEIGHTS_DURING_RESTORE; snapshots/weights_during_restore.py): with `auto`, when they are not
     in the page cache. On the H100 machine, from cold disk, the helper read them at the disk's full rate from
     0.7 s after spawn, while the restored runtime's own CUDA context took 1.2-3.3 s to make (its libraries read
     from disk too); from the page cache, the restored runtime loaded them itself 0.3 s sooner: the helper's CUDA
     context takes as long to make as the runtime's, and the copy from the page cache is not what waits.
-    Several models: no helper (their weights go into pool memory, mapped only once the pool exists)."""
+    Several models: no helper (their weights go into pool memory, mapped only once the pool exists).
+    LAZY_PAGES: the restore hands over before the memory is back (snapshots/restore_run.py: LAZY_OPTIONS)."""
+    options = list(LAZY_OPTIONS) if lazy_pages else []
     if weights_during_restore == "never":
-        return CriuHooks()
+        return CriuHooks(criu_options=options)
 
     def start_weights_helper(image: SnapshotImage, boot: bool) -> "RestoreHelper | None":
         if not boot or image.engine_device().split(":")[0] != "cuda":
@@ -98,7 +101,7 @@ def process_hooks(weights_during_restore: str) -> CriuHooks:
                  "an unknown share" if cached is None else f"{100 * cached:.0f}%")
         return RestoreHelper(Path(image.model_dir), cuda_restore=False)
 
-    return CriuHooks(start_restore_helper=start_weights_helper)
+    return CriuHooks(start_restore_helper=start_weights_helper, criu_options=options)
 
 
 def bake_snapshot(kind: str, settings: Settings, model_dir: Path | None, snapshot_dir: Path, hooks: CriuHooks,
@@ -160,7 +163,7 @@ def verify_restores(criu: Criu, directory: Path, image: SnapshotImage, hooks: Cr
     """Restore the image once; it must take over a handoff and exit 0. Returns the restore's seconds."""
     message = handoff.Handoff(environ=dict(os.environ), cwd=os.getcwd(), spawn_time=time.time(),
                               restore_started=time.time(), restore_path=image.kind, verify=True)
-    pid, restore_s = thaw(criu, directory, image, message, hooks)
+    pid, restore_s = thaw(criu, directory, image, message, hooks).wait()
     _, status = os.waitpid(pid, 0)
     if os.waitstatus_to_exitcode(status) != 0:
         raise SnapshotError(f"the restored {image.kind} snapshot exited with {os.waitstatus_to_exitcode(status)}")
@@ -168,25 +171,39 @@ def verify_restores(criu: Criu, directory: Path, image: SnapshotImage, hooks: Cr
 
 
 def thaw(criu: Criu, directory: Path, image: SnapshotImage, message: handoff.Handoff,
-         hooks: CriuHooks, verification: Verification | None = None) -> tuple[int, float]:
-    """Restore and hand over; returns the running process's pid (our child) and the restore's seconds.
+         hooks: CriuHooks, verification: Verification | None = None,
+         running: RestoreRun | None = None) -> RestoreRun:
+    """Restore and hand over; returns the restore, done (`wait()`: the running process's pid, our child, and
+    the restore's seconds; `lazy_pages`: the daemon still filling its memory in, if LAZY_PAGES).
     VERIFICATION (the image files' digests, being checked since before the restore) must pass before the
-    restored process gets its instance. Raises SnapshotError, HandoffError or DigestMismatch with nothing
-    left running."""
+    restored process gets its instance. RUNNING: this snapshot's restore, started early by the entry point
+    (snapshots/early_restore.py), else it starts here. Raises SnapshotError, HandoffError or DigestMismatch
+    with nothing left running."""
     helper = None
-    if hooks.start_restore_helper is not None:
-        helper = hooks.start_restore_helper(image, not message.verify)
+    try:
+        if hooks.start_restore_helper is not None:
+            helper = hooks.start_restore_helper(image, not message.verify)
+    except BaseException:
+        if running is not None:
+            running.undo()
+        raise
     handed_over = False
     try:
-        message.restore_detail["before_criu_s"] = round(time.time() - message.restore_started, 4)
+        if running is None:
+            message.restore_detail["before_criu_s"] = round(time.time() - message.restore_started, 4)
+            running = checkpoint.start_restore(criu, directory, hooks.criu_options)
+        else:  # CRIU has been restoring since the entry point; the bootstrap's imports and checks overlapped it
+            message.restore_detail["early_s"] = round(time.time() - running.started, 4)
         try:
-            pid, restore_s = checkpoint.restore(criu, directory, hooks.criu_options)
+            pid, restore_s = checkpoint.finish_restore(running)
         except SnapshotError:
             if verification is not None:  # a damaged image is the reason CRIU failed, if it is damaged
                 verification.wait()
             raise
         log.info("%s snapshot: CRIU restored pid %d in %.3f s", image.kind, pid, restore_s)
         message.restore_detail["criu_s"] = round(restore_s, 4)
+        if running.lazy_pages is not None:
+            message.restore_detail["lazy_pages"] = True
 
         def after_restore(pid: int) -> None:
             cuda_s = helper.restore(pid)
@@ -203,16 +220,22 @@ def thaw(criu: Criu, directory: Path, image: SnapshotImage, message: handoff.Han
                              after_restore if helper is not None and helper.restores_cuda else None, channel,
                              verified if verification is not None else None)
         handed_over = True
+    except BaseException:
+        if running is not None and running.lazy_pages is not None:
+            running.undo()  # the restored tree is gone already; the daemon goes with it
+        raise
     finally:
         if helper is not None:
             helper.detach() if handed_over else helper.close()
-    return pid, restore_s
+    return running
 
 
-def boot_handoff(kind: str, argv: list[str], skipped: dict[str, str]) -> handoff.Handoff:
-    """The message for a restore at boot: this process's instance."""
+def boot_handoff(kind: str, argv: list[str], skipped: dict[str, str],
+                 running: RestoreRun | None = None) -> handoff.Handoff:
+    """The message for a restore at boot: this process's instance. RUNNING: the restore started early, whose
+    start is the restore's."""
     spawned = os.environ.get("THAWLLM_SPAWN_TIME")
     return handoff.Handoff(environ=dict(os.environ), cwd=os.getcwd(),
                            spawn_time=float(spawned) if spawned else process_start_time(),
-                           restore_started=time.time(), restore_path=kind, argv=list(argv),
-                           skipped=dict(skipped))
+                           restore_started=running.started if running is not None else time.time(),
+                           restore_path=kind, argv=list(argv), skipped=dict(skipped))

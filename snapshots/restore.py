@@ -26,11 +26,12 @@ from runtime.config import Settings
 from runtime.logs import get_logger
 from runtime.start_paths import SkipPath, read_restore_order
 from runtime.timeline import Timeline
-from snapshots import thawed
+from snapshots import early_restore, thawed
 from snapshots.criu import Criu, find_criu, restore_blockers
 from snapshots.fingerprint import Fingerprint, current_fingerprint, mismatch
 from snapshots.image import SEVERAL_MODELS_NO_GPU, ImageError, SnapshotImage
 from snapshots.integrity import DigestMismatch, Verification
+from snapshots.restore_run import CRIU_OPTIONS, IMAGES
 
 if TYPE_CHECKING:
     from runtime.engine import Engine
@@ -54,6 +55,13 @@ def take_over(settings: Settings, argv: list[str]) -> int | None:
     Never raises: a function must start whatever state its snapshots are in."""
     if thawed.current is not None:
         return None  # this is the restored process: the engine is in thawed.current
+    try:
+        return _take_over(settings, argv)
+    finally:
+        early_restore.abandon()  # an early restore this start did not take is undone
+
+
+def _take_over(settings: Settings, argv: list[str]) -> int | None:
     _skipped.clear()
     from snapshots.driver_primer import start_primer
 
@@ -82,10 +90,12 @@ def take_over(settings: Settings, argv: list[str]) -> int | None:
         directory = settings.snapshot_dir / kind
         # the image files are hashed on threads while CRIU restores; the verdict comes before the hand-over
         verification = image.start_verify(directory)
+        running = early_restore.take(kind, criu.path, directory / IMAGES, [*CRIU_OPTIONS, *hooks.criu_options])
         try:
             from snapshots.process import boot_handoff, thaw
 
-            pid, _ = thaw(criu, directory, image, boot_handoff(kind, argv, _skipped), hooks, verification)
+            restored = thaw(criu, directory, image, boot_handoff(kind, argv, _skipped, running), hooks,
+                            verification, running)
         except DigestMismatch as exc:  # undone by thaw, like any failure; the reason is the file
             log.warning("restore path %s refused, starting fresh: %s", kind, exc)
             _skipped[kind] = str(exc)
@@ -101,7 +111,8 @@ def take_over(settings: Settings, argv: list[str]) -> int | None:
             return None
         from snapshots.supervise import supervise
 
-        return supervise(pid)
+        pid, restore_s = restored.wait()
+        return supervise(pid, restored.lazy_pages, restored.started + restore_s)
     return None
 
 
@@ -292,7 +303,7 @@ def _hooks(kind: str, settings: Settings) -> "CriuHooks":
     if kind == "process":
         from snapshots.process import process_hooks
 
-        return process_hooks(settings.weights_during_restore)
+        return process_hooks(settings.weights_during_restore, settings.lazy_pages)
     from snapshots.gpu import gpu_hooks
 
     return gpu_hooks(settings.weights_during_restore)  # raises SkipPath without cuda-bindings

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 from runtime.logs import get_logger
 
@@ -18,8 +19,10 @@ log = get_logger("snapshots.supervise")
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 
 
-def supervise(pid: int) -> int:
-    """Forward signals to PID until it exits; return its exit status (128 + signal when killed)."""
+def supervise(pid: int, lazy_pages: int | None = None, restored_at: float | None = None) -> int:
+    """Forward signals to PID until it exits; return its exit status (128 + signal when killed). LAZY_PAGES:
+    the pid of the daemon filling PID's memory in since RESTORED_AT, when CRIU's restore returned; if it
+    fails, part of that memory never came back, and PID is killed."""
 
     def forward(signum: int, frame: object) -> None:
         try:
@@ -40,3 +43,12 @@ def supervise(pid: int) -> int:
             code = os.waitstatus_to_exitcode(status)
             log.info("the restored runtime exited with %d", code)
             return code if code >= 0 else 128 - code
+        if reaped == lazy_pages:
+            code = os.waitstatus_to_exitcode(status)
+            if code == 0:
+                log.info("lazy pages: the restored runtime's memory is all back, %.3f s after CRIU's restore",
+                         time.time() - (restored_at or time.time()))
+            else:
+                log.error("lazy pages: the daemon filling the restored runtime's memory failed (%d): stopping it",
+                          code)
+                forward(signal.SIGKILL, None)

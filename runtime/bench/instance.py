@@ -63,7 +63,7 @@ class Instance:
         container's process is (needs root): a restored snapshot keeps its baked pids, so two instances
         restored from one snapshot on one host clash without it."""
         port = free_port()
-        command = [sys.executable, "-m", "runtime.bootstrap"]
+        command = [sys.executable, "-m", "runtime.entry"]
         if own_pid_namespace:
             command = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", *command]
         log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -15,8 +15,13 @@ FIRST_KERNELS = ("beside", "after", "restored")
 ALL_MODES = SERVER_MODES + (BASELINE_MODE,)
 #: a restore path with one setting changed, to compare the two in one run (never run unless named):
 #: gpu-after and process-after stream the weights after the restore instead of during it; process-during
-#: streams them during it whether or not they are in the page cache; process-unprimed starts no driver primer
-VARIANTS = {"gpu-after": ("gpu", {"WEIGHTS_DURING_RESTORE": "0"}),
+#: streams them during it whether or not they are in the page cache; process-unprimed starts no driver primer;
+#: gpu-late and process-late start CRIU after the bootstrap's imports and checks, not before them;
+#: process-lazy hands over before the memory is back (LAZY_PAGES=1)
+VARIANTS = {"process-lazy": ("process", {"LAZY_PAGES": "1"}),
+            "gpu-late": ("gpu", {"EARLY_RESTORE": "0"}),
+            "process-late": ("process", {"EARLY_RESTORE": "0"}),
+            "gpu-after": ("gpu", {"WEIGHTS_DURING_RESTORE": "0"}),
             "process-after": ("process", {"WEIGHTS_DURING_RESTORE": "0"}),
             "process-during": ("process", {"WEIGHTS_DURING_RESTORE": "1"}),
             "process-unprimed": ("process", {"PRIME_DRIVER": "0"})}

@@ -25,7 +25,7 @@ def bootstrap_command() -> list[str]:
     """The installed console script, run by this interpreter, importing this checkout (PYTHONPATH); where
     the package is not installed (the GPU machine), the same entry point as a module."""
     script = Path(sys.executable).parent / "faas-bootstrap"
-    return [sys.executable, str(script)] if script.exists() else [sys.executable, "-m", "runtime.bootstrap"]
+    return [sys.executable, str(script)] if script.exists() else [sys.executable, "-m", "runtime.entry"]
 
 
 def free_port() -> int:

@@ -53,8 +53,8 @@ def test_a_materialized_file_changed_after_the_bake_is_not_used(tiny_model_dir, 
     assert state["restore_path"] == "cold" and state["engine"]["kv_blocks_total"] not in (BAKED_BLOCKS,
                                                                                           BAKED_BLOCKS + 11)
     assert state["skipped"]["materialized"] == (
-        "materialized snapshot file kvprofile.json does not match its xxh3-128 digest from the bake: the snapshot "
-        "was changed after it was baked")
+        "materialized snapshot file kvprofile.json does not match its xxh3-128-parts digest from the bake: the "
+        "snapshot was changed after it was baked")
     assert "snapshot_verify" in state["timeline"]
 
 

@@ -132,7 +132,7 @@ def test_an_edited_image_is_refused_and_the_instance_starts_fresh(baked, expecte
         health = http_get(srv, "/health")
         assert health["restore_path"] == "cold"
         assert health["skipped"]["process"] == (
-            f"process snapshot image file {pages.name} does not match its xxh3-128 digest from the bake: the "
+            f"process snapshot image file {pages.name} does not match its xxh3-128-parts digest from the bake: the "
             "snapshot was changed after it was baked")
         assert children_of(srv.process.pid) == []  # the restored process was killed before its hand-over
         jobs = interleaved_jobs()

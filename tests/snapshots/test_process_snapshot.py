@@ -63,9 +63,12 @@ def test_bake_writes_a_checked_image_with_its_fingerprint(process_snapshot, tiny
     assert json.loads(image.fingerprint.engine_config)["max_model_len"] == 2048
     assert image.size_bytes > 10_000_000  # torch and the engine are in it
     pages = max(image.files, key=image.files.get)
-    assert pages.startswith("pages-") and image.hash == "xxh3-128" and set(image.digests) == set(image.files)
-    assert image.digests[pages] == xxhash.xxh3_128(
-        (process_snapshot / "process" / IMAGES / pages).read_bytes()).hexdigest()
+    assert pages.startswith("pages-") and set(image.digests) == set(image.files)
+    # the digest of a page image is xxh3-128 over its 32 MiB parts' xxh3-128 digests (hashed in parallel)
+    data, part = (process_snapshot / "process" / IMAGES / pages).read_bytes(), 32 << 20
+    assert len(data) > part  # several parts
+    parts = b"".join(xxhash.xxh3_128(data[i:i + part]).digest() for i in range(0, len(data), part))
+    assert image.hash == "xxh3-128-parts" and image.digests[pages] == xxhash.xxh3_128(parts).hexdigest()
     assert [p.name for p in process_snapshot.iterdir()] == ["process"]  # no temporary left beside it
 
 
@@ -98,13 +101,13 @@ def test_timeline_is_measured_from_the_new_spawn(process_snapshot, tiny_model_di
         restore_row = next(line for line in table.splitlines() if line.strip().startswith("restore"))
         start = float(restore_row.split()[1])
         assert 0 <= start < 10  # seconds after the bootstrap's spawn, not after the bake
-        # the restore stage says where its time went: before criu, criu, then the bootstrap's second run in the
-        # restored process, which ends where the engine's device phase begins
+        # the restore stage says where its time went: criu (started by the entry point, early_s before the
+        # bootstrap's checks reached it), then the bootstrap's second run in the restored process, which ends
+        # where the engine's device phase begins
         stages = {s["stage"]: s for s in health(server)["stages"]}
         restore = stages["restore"]
         parts = restore["detail"]
-        assert 0 <= parts["before_criu_s"] and 0 < parts["criu_s"]
-        assert parts["before_criu_s"] + parts["criu_s"] <= restore["seconds"]
+        assert 0 <= parts["early_s"] and 0 < parts["criu_s"] <= restore["seconds"]
         assert 0 < parts["bootstrap_s"] <= stages["cuda_init"]["start_s"] - restore["end_s"] + 0.001
     finally:
         server.stop()
@@ -130,6 +133,8 @@ def test_changed_engine_settings_do_not_restore(process_snapshot, tiny_model_dir
     server = boot(tmp_path, tiny_model_dir, process_snapshot, MAX_NUM_SEQS="8")
     try:
         assert health(server)["skipped"]["process"].startswith("fingerprint mismatch: engine_config")
+        # the entry point had started restoring it before the settings were checked: undone, nothing left
+        assert children_of(server.process.pid) == []
     finally:
         server.stop()
 
@@ -144,7 +149,7 @@ def test_corrupted_image_falls_back_to_cold_leaving_nothing_behind(snapshot_copy
         assert state["restore_path"] == "cold"
         # CRIU fails on the damaged image; the reason given is the damage, found by the digests meanwhile
         assert state["skipped"]["process"].startswith("process snapshot image file core-")
-        assert "does not match its xxh3-128 digest" in state["skipped"]["process"]
+        assert "does not match its xxh3-128-parts digest" in state["skipped"]["process"]
         assert "restore path process refused, starting fresh" in server.log()
         assert children_of(server.process.pid) == []  # no restored process left running
         assert greedy_text(server) == cold_text
@@ -166,7 +171,7 @@ def test_a_same_size_edit_of_a_page_image_is_refused_and_falls_back(snapshot_cop
         state = health(server)
         assert state["restore_path"] == "cold"
         assert state["skipped"]["process"] == (
-            f"process snapshot image file {pages.name} does not match its xxh3-128 digest from the bake: the "
+            f"process snapshot image file {pages.name} does not match its xxh3-128-parts digest from the bake: the "
             "snapshot was changed after it was baked")
         assert f"restore path process refused, starting fresh: process snapshot image file {pages.name}" in (
             server.log())
@@ -184,6 +189,33 @@ def test_an_image_without_digests_is_not_restored(snapshot_copy, tiny_model_dir,
     server = boot(tmp_path, tiny_model_dir, snapshot_copy)
     try:
         assert health(server)["skipped"]["process"].startswith("the snapshot has no digests of its image files")
+    finally:
+        server.stop()
+
+
+def test_an_image_with_whole_file_digests_is_checked_with_those(snapshot_copy, tiny_model_dir, cold_text,
+                                                               tmp_path):
+    """Snapshots baked before the digests were taken over parts are still checked, and restored."""
+    manifest = snapshot_copy / "process" / MANIFEST
+    data = json.loads(manifest.read_text())
+    images = snapshot_copy / "process" / IMAGES
+    data["hash"] = "xxh3-128"
+    data["digests"] = {name: xxhash.xxh3_128((images / name).read_bytes()).hexdigest() for name in data["digests"]}
+    manifest.write_text(json.dumps(data))
+    server = boot(tmp_path, tiny_model_dir, snapshot_copy)
+    try:
+        assert health(server)["restore_path"] == "process"
+        assert greedy_text(server) == cold_text
+    finally:
+        server.stop()
+    pages = max(images.glob("pages-*.img"), key=lambda p: p.stat().st_size)
+    with open(pages, "r+b") as f:
+        f.write(b"\xff" * 16)
+    (tmp_path / "edited").mkdir()
+    server = boot(tmp_path / "edited", tiny_model_dir, snapshot_copy)
+    try:
+        assert health(server)["skipped"]["process"].startswith(
+            f"process snapshot image file {pages.name} does not match its xxh3-128 digest")
     finally:
         server.stop()
 

@@ -1,0 +1,125 @@
+"""The CRIU restore the entry point starts before the bootstrap is imported (runtime/entry.py).
+
+What a start from a CRIU snapshot waits for first is CRIU itself (0.2-0.4 s on the H100 machine), yet the
+bootstrap reached it only after its imports, its settings and the snapshot's checks (0.11-0.16 s from
+spawn). So the entry point reads the settings that decide which snapshot would be restored first (RESTORE,
+SNAPSHOT_DIR, MODEL and LAZY_PAGES, from the command line or the environment, as text), starts `criu restore` for it
+and only then imports the bootstrap. The bootstrap parses every setting and checks the snapshot as it
+always does (snapshots/restore.py: `take_over`) and `take`s this restore where it would have started the
+same one; anything else `abandon`s it: CRIU is waited for and what it restored is killed before the start
+goes on. The restored process gets its instance only through the hand-over, after those checks and the
+image's digests have passed, so starting early changes when CRIU runs, never what is restored or served.
+
+Imports: os, json (the order faas-build measured) and what the interpreter has loaded at start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from runtime.start_paths import read_restore_order
+from snapshots.restore_run import (CRIU_OPTIONS, GPU_OPTIONS, IMAGES, INSTALLED_CRIU, LAZY_OPTIONS, MANIFEST,
+                                   RestoreRun, image_file_problem)
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Mapping, Sequence
+
+#: the kinds of CRIU snapshot, and what each adds to CRIU's options
+KIND_OPTIONS = {"gpu": GPU_OPTIONS, "process": ()}
+
+#: the restore `start` began, until the bootstrap takes it or abandons it
+_running: RestoreRun | None = None
+_kind: str | None = None
+
+
+def start(argv: Sequence[str], environ: Mapping[str, str] = os.environ) -> str | None:
+    """Start restoring the snapshot the bootstrap would restore first, if there is one to restore; returns
+    its kind. Never raises: without an early restore the bootstrap restores as it always did."""
+    global _running, _kind
+    try:
+        kind = first_kind(argv, environ)
+        criu = environ.get("THAWLLM_CRIU") or INSTALLED_CRIU
+        if kind is None or not os.access(criu, os.X_OK):
+            return None
+        snapshot_dir = setting(argv, environ, "SNAPSHOT_DIR")
+        with open(os.path.join(snapshot_dir, kind, MANIFEST)) as f:
+            files = json.load(f)["files"]
+        if image_file_problem(os.path.join(snapshot_dir, kind, IMAGES), files) is not None:
+            return None  # the bootstrap says why; CRIU can hang on a truncated image
+        lazy = LAZY_OPTIONS if kind == "process" and _true(setting(argv, environ, "LAZY_PAGES"), False) else ()
+        _running = RestoreRun(criu, os.path.join(snapshot_dir, kind, IMAGES),
+                              (*CRIU_OPTIONS, *KIND_OPTIONS[kind], *lazy))
+        _kind = kind
+        return kind
+    except Exception:  # noqa: BLE001 - the bootstrap's own restore reports what is wrong
+        return None
+
+
+def first_kind(argv: Sequence[str], environ: Mapping[str, str]) -> str | None:
+    """The CRIU snapshot the bootstrap would try first: RESTORE's, or under auto the first CRIU path of the
+    order faas-build measured (none if materialized comes first); None where no CRIU restore would start."""
+    if not _true(setting(argv, environ, "EARLY_RESTORE"), True):
+        return None
+    restore = setting(argv, environ, "RESTORE") or "auto"
+    snapshot_dir = setting(argv, environ, "SNAPSHOT_DIR")
+    model = setting(argv, environ, "MODEL") or ""
+    if not snapshot_dir or environ.get("AWS_LAMBDA_RUNTIME_API") or "," in model:
+        return None  # several models restore a process snapshot and their pools: left to the bootstrap
+    if restore in KIND_OPTIONS:
+        order = (restore,)
+    elif restore == "auto":
+        order = read_restore_order(snapshot_dir).paths
+    else:
+        return None
+    for kind in order:
+        if kind not in KIND_OPTIONS:
+            return None
+        if os.path.isdir(os.path.join(snapshot_dir, kind, IMAGES)):
+            return kind
+    return None
+
+
+def setting(argv: Sequence[str], environ: Mapping[str, str], env: str) -> str | None:
+    """A setting's text as runtime/config.py reads it: the environment, then its --flag (last one wins)."""
+    flag = "--" + env.lower().replace("_", "-")
+    value = environ.get(env)
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg[len(flag) + 1:]
+    return value
+
+
+def _true(text: str | None, default: bool) -> bool:
+    """A boolean setting's text as runtime/config.py reads it; DEFAULT when unset or not a boolean (the
+    bootstrap's parse then reports it)."""
+    if text is None:
+        return default
+    value = text.strip().lower()
+    return True if value in ("1", "true", "yes", "on") else False if value in ("0", "false", "no", "off", "") \
+        else default
+
+
+def take(kind: str, criu_path: str, images: str | os.PathLike, options: Sequence[str]) -> RestoreRun | None:
+    """The early restore, now the caller's, if it is KIND's restore of IMAGES by CRIU_PATH with OPTIONS;
+    otherwise it is abandoned and None."""
+    global _running, _kind
+    running, started_kind = _running, _kind
+    _running = _kind = None
+    if running is None:
+        return None
+    if started_kind == kind and running.matches(criu_path, images, options):
+        return running
+    running.undo()
+    return None
+
+
+def abandon() -> None:
+    """Undo the early restore, if one was started and not taken: nothing it restored is left running."""
+    global _running, _kind
+    running, _running, _kind = _running, None, None
+    if running is not None:
+        running.undo()

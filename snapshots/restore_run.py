@@ -1,0 +1,230 @@
+"""`criu restore` running in the background: started, then waited for. Every restore of a CRIU snapshot goes
+through `RestoreRun` (snapshots/checkpoint.py: `restore`), the one the entry point starts before the
+bootstrap's imports too (snapshots/early_restore.py), so this module imports only what the interpreter has
+already loaded at start: it is on the way to CRIU's first instruction.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+TYPE_CHECKING = False  # typing itself is not imported at start
+if TYPE_CHECKING:
+    from typing import Sequence
+
+#: a snapshot's CRIU image files, in its directory, and what they are (snapshots/image.py)
+IMAGES = "images"
+MANIFEST = "manifest.json"
+#: where scripts/install_criu.sh puts its wrapper
+INSTALLED_CRIU = "/opt/thawllm-criu/bin/criu"
+#: options of every dump and restore: the handoff socket is ours; deleted-but-open files are linked back
+CRIU_OPTIONS = ("--link-remap",)
+#: a gpu snapshot's process keeps a unix socket to the driver's side; CRIU must let it dangle
+#: (docs/architecture.md)
+GPU_OPTIONS = ("--ext-unix-sk",)
+#: the restored process starts before its memory is back: a `criu lazy-pages` daemon, started first, copies
+#: the pages in behind it and serves its faults first (userfaultfd); LAZY_PAGES, process snapshots
+LAZY_OPTIONS = ("--lazy-pages",)
+#: how long the lazy-pages daemon may take to be ready for the restore
+LAZY_READY_S = 10.0
+
+PR_SET_CHILD_SUBREAPER = 36
+SIGKILL = 9  # the signal module imports enum
+#: how long a restore may take before it is killed and failed
+TIMEOUT_S = 300.0
+
+
+def image_file_problem(images: str | os.PathLike, files: dict[str, int]) -> str | None:
+    """Why the image files in IMAGES are not the ones baked (FILES: name -> size), None when each is there
+    with its size. Cheap (no reading), and it must come first: CRIU can hang on a truncated page image."""
+    for name, size in files.items():
+        try:
+            actual = os.stat(os.path.join(images, name)).st_size
+        except FileNotFoundError:
+            return f"image file {name} is missing"
+        if actual != size:
+            return f"image file {name} is {actual} bytes, baked {size}"
+    return None
+
+
+class RestoreRun:
+    """`criu restore -d` of the image files in IMAGES with OPTIONS (CRIU_OPTIONS and what the snapshot's
+    kind adds), from its start to `wait()`. The restored root becomes this process's child: this process
+    is made a subreaper before CRIU starts. With LAZY_OPTIONS, `lazy_pages` is the pid of the daemon that
+    fills the restored memory in after `wait()`: whoever supervises the restored process watches it."""
+
+    def __init__(self, criu_path: str, images: str | os.PathLike, options: Sequence[str]) -> None:
+        set_subreaper()
+        self.criu_path, self.images, self.options = criu_path, os.fspath(images), tuple(options)
+        self.workdir = _private_dir()
+        self._pidfile = os.path.join(self.workdir, "pid")
+        self._log = os.path.join(self.workdir, "restore.log")
+        self._stderr = os.path.join(self.workdir, "stderr")
+        self._outcome: tuple[int, float] | BaseException | None = None
+        self.lazy_pages: int | None = None
+        self.started = time.time()
+        try:
+            lazy = LAZY_OPTIONS[0] in self.options
+            if lazy:
+                self.lazy_pages = self._spawn("lazy-pages", ["-D", self.images, "-W", self.workdir, "-o",
+                                                             os.path.join(self.workdir, "lazy-pages.log"), "-v2"],
+                                              ready=True)
+            self._pid = self._spawn("restore", ["-D", self.images, "-d", "--pidfile", self._pidfile, *self.options,
+                                                *(("-W", self.workdir) if lazy else ()), "-o", self._log, "-v4"])
+        except BaseException:
+            if self.lazy_pages is not None:
+                _kill(self.lazy_pages)
+            _remove(self.workdir)
+            raise
+
+    def _spawn(self, command: str, args: list[str], ready: bool = False) -> int:
+        """criu COMMAND ARGS, its stderr kept; READY: wait until it says it is ready (--status-fd)."""
+        null = os.open(os.devnull, os.O_RDWR)
+        err = os.open(self._stderr, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        actions = [(os.POSIX_SPAWN_DUP2, null, 0), (os.POSIX_SPAWN_DUP2, null, 1), (os.POSIX_SPAWN_DUP2, err, 2)]
+        status_read = status_write = None
+        try:
+            if ready:
+                status_read, status_write = os.pipe()
+                actions.append((os.POSIX_SPAWN_DUP2, status_write, 3))
+                args = [*args, "--status-fd", "3"]
+            pid = os.posix_spawn(self.criu_path, [self.criu_path, command, *args], os.environ, file_actions=actions)
+        finally:
+            for fd in (null, err, status_write):
+                if fd is not None:
+                    os.close(fd)
+        if status_read is not None:
+            try:
+                if not _readable(status_read, LAZY_READY_S) or os.read(status_read, 1) != b"\0":
+                    _kill(pid)
+                    from snapshots.criu import failure
+
+                    raise failure(command, 1, self._read_stderr(), _path(os.path.join(self.workdir,
+                                                                                       "lazy-pages.log")))
+            finally:
+                os.close(status_read)
+        return pid
+
+    def matches(self, criu_path: str, images: str | os.PathLike, options: Sequence[str]) -> bool:
+        """Whether this is the restore of IMAGES by CRIU_PATH with OPTIONS."""
+        return (os.path.realpath(self.criu_path), os.path.realpath(self.images), self.options) == (
+            os.path.realpath(criu_path), os.path.realpath(images), tuple(options))
+
+    def wait(self, timeout: float = TIMEOUT_S) -> tuple[int, float]:
+        """(the restored root's pid, CRIU's seconds: until it wrote the pidfile, as its restore ended); raises
+        CriuError (CRIU undoes a restore that fails)."""
+        if self._outcome is None:
+            try:
+                self._outcome = self._finish(timeout)
+            except Exception as exc:  # noqa: BLE001 - kept: a second wait raises it again
+                self._outcome = exc
+            finally:
+                _remove(self.workdir)
+        if isinstance(self._outcome, BaseException):
+            raise self._outcome
+        return self._outcome
+
+    def _finish(self, timeout: float) -> tuple[int, float]:
+        status = self._wait_exit(timeout)
+        if status is None:
+            from snapshots.criu import timed_out
+
+            raise timed_out("restore", timeout, _path(self._log))
+        if os.waitstatus_to_exitcode(status) != 0:
+            raise self._failure(os.waitstatus_to_exitcode(status))
+        with open(self._pidfile) as f:
+            pid = int(f.read())
+        return pid, os.stat(self._pidfile).st_mtime - self.started
+
+    def undo(self) -> None:
+        """Wait for CRIU, then kill what it restored: nothing of this restore is left running."""
+        try:
+            pid, _ = self.wait()
+        except Exception:  # noqa: BLE001 - CRIU failed and undid it: nothing is left
+            return
+        kill_tree(pid)
+        if self.lazy_pages is not None:
+            _kill(self.lazy_pages)
+            self.lazy_pages = None
+
+    def _wait_exit(self, timeout: float) -> int | None:
+        """CRIU's wait status, or None after killing it once TIMEOUT passed."""
+        fd = os.pidfd_open(self._pid)
+        try:
+            if not _readable(fd, timeout):
+                os.kill(self._pid, SIGKILL)
+                os.waitpid(self._pid, 0)
+                return None
+        finally:
+            os.close(fd)
+        return os.waitpid(self._pid, 0)[1]
+
+    def _failure(self, code: int) -> Exception:
+        """snapshots/criu.py's CriuError, with CRIU's first error (imported here: it imports this module)."""
+        from snapshots.criu import failure
+
+        if self.lazy_pages is not None:
+            _kill(self.lazy_pages)
+            self.lazy_pages = None
+        return failure("restore", code, self._read_stderr(), _path(self._log))
+
+    def _read_stderr(self) -> str:
+        try:
+            with open(self._stderr, errors="replace") as f:
+                return f.read()
+        except OSError:
+            return ""
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, SIGKILL)
+        os.waitpid(pid, 0)
+    except (ProcessLookupError, ChildProcessError):
+        pass
+
+
+def _readable(fd: int, timeout: float) -> bool:
+    import select
+
+    return bool(select.select([fd], [], [], timeout)[0])
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a restored root; as the init of its pid namespace, the kernel kills the rest with it."""
+    _kill(pid)
+
+
+def set_subreaper() -> None:
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
+
+
+def _private_dir() -> str:
+    base = os.environ.get("TMPDIR") or "/tmp"
+    while True:
+        path = os.path.join(base, f"thawllm-restore-{os.getpid()}-{time.monotonic_ns()}")
+        try:
+            os.mkdir(path, 0o700)
+            return path
+        except FileExistsError:
+            continue
+
+
+def _remove(directory: str) -> None:
+    try:
+        for name in os.listdir(directory):
+            os.unlink(os.path.join(directory, name))
+        os.rmdir(directory)
+    except FileNotFoundError:
+        pass
+
+
+def _path(text: str):
+    from pathlib import Path
+
+    return Path(text)

@@ -1,0 +1,120 @@
+"""The entry point starts restoring the snapshot the bootstrap would restore first before importing the
+bootstrap (snapshots/early_restore.py); the bootstrap's checks take that restore over or undo it."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from runtime.start_paths import ORDER_FILE
+from snapshots import early_restore
+from snapshots.criu import find_criu
+from snapshots.restore_run import CRIU_OPTIONS, IMAGES
+from tests.snapshots.test_process_snapshot import cold_text  # noqa: F401  (the module's fixture, shared)
+from tests.snapshots.test_process_snapshot import boot, children_of, greedy_text, health
+
+
+def snapshot_dir_with(tmp_path: Path, *kinds: str, order: dict[str, float] | None = None) -> Path:
+    for kind in kinds:
+        (tmp_path / kind / IMAGES).mkdir(parents=True)
+    if order is not None:
+        (tmp_path / ORDER_FILE).write_text(json.dumps({"paths": {p: {"median_s": s} for p, s in order.items()}}))
+    return tmp_path
+
+
+@pytest.mark.parametrize("kinds, order, env, argv, expected", [
+    (("gpu", "process"), None, {}, [], "gpu"),  # the fixed order
+    (("process",), None, {}, [], "process"),  # no gpu snapshot: the next
+    (("gpu", "process"), {"process": 0.9, "gpu": 1.3}, {}, [], "process"),  # the measured order
+    (("gpu", "process"), {"materialized": 0.5, "process": 0.9}, {}, [], None),  # materialized first: the bootstrap's
+    (("gpu", "process"), None, {"RESTORE": "process"}, [], "process"),
+    (("gpu", "process"), None, {"RESTORE": "process"}, ["--restore", "cold"], None),  # the flag wins
+    (("gpu", "process"), None, {}, ["--restore=gpu"], "gpu"),
+    (("gpu", "process"), None, {"EARLY_RESTORE": "0"}, [], None),
+    (("gpu", "process"), None, {}, ["--early-restore", "false"], None),
+    (("gpu", "process"), None, {"MODEL": "a=/m/a,b=/m/b"}, [], None),  # several models: the bootstrap's
+    (("gpu", "process"), None, {"AWS_LAMBDA_RUNTIME_API": "127.0.0.1:9001"}, [], None),
+    ((), None, {}, [], None),
+])
+def test_the_snapshot_started_early_is_the_one_the_bootstrap_tries_first(tmp_path, kinds, order, env, argv,
+                                                                         expected):
+    directory = snapshot_dir_with(tmp_path, *kinds, order=order)
+    assert early_restore.first_kind(argv, {"SNAPSHOT_DIR": str(directory), **env}) == expected
+
+
+def test_without_a_snapshot_dir_nothing_starts(tmp_path):
+    assert early_restore.first_kind([], {}) is None
+    assert early_restore.start([], {}) is None
+
+
+@pytest.mark.criu
+def test_a_boot_restores_what_criu_began_before_the_checks(process_snapshot, tiny_model_dir, cold_text,  # noqa: F811
+                                                           tmp_path):
+    server = boot(tmp_path, tiny_model_dir, process_snapshot)
+    try:
+        stages = {s["stage"]: s for s in health(server)["stages"]}
+        assert health(server)["restore_path"] == "process"
+        # CRIU began before the bootstrap's checks started hashing the image, which overlapped it
+        assert stages["restore"]["start_s"] < stages["snapshot_verify"]["start_s"]
+        assert stages["restore"]["detail"]["early_s"] > 0
+        assert greedy_text(server) == cold_text
+    finally:
+        server.stop()
+
+
+@pytest.mark.criu
+def test_with_early_restore_off_criu_starts_after_the_checks(process_snapshot, tiny_model_dir,
+                                                             cold_text, tmp_path):  # noqa: F811
+    server = boot(tmp_path, tiny_model_dir, process_snapshot, EARLY_RESTORE="0")
+    try:
+        stages = {s["stage"]: s for s in health(server)["stages"]}
+        assert stages["restore"]["start_s"] >= stages["snapshot_verify"]["start_s"]
+        assert "early_s" not in stages["restore"]["detail"] and stages["restore"]["detail"]["before_criu_s"] >= 0
+        assert greedy_text(server) == cold_text
+    finally:
+        server.stop()
+
+
+@pytest.mark.criu
+def test_a_restore_started_early_and_not_taken_is_undone(process_snapshot):
+    """What the bootstrap does when its checks refuse the snapshot, or would restore another: the restored
+    process is killed once CRIU is done, and nothing of it is left."""
+    env = {"SNAPSHOT_DIR": str(process_snapshot), "RESTORE": "process"}
+    assert early_restore.start([], env) == "process"
+    criu = find_criu()
+    running = early_restore.take("process", criu.path, process_snapshot / "process" / IMAGES, list(CRIU_OPTIONS))
+    assert running is not None and early_restore.take("process", criu.path, "/elsewhere", []) is None
+    pid, seconds = running.wait()
+    assert seconds > 0 and Path(f"/proc/{pid}").exists() and pid in children_of(os.getpid())
+    running.undo()
+    assert pid not in children_of(os.getpid()) and not Path(f"/proc/{pid}").exists()
+
+    assert early_restore.start([], env) == "process"
+    before = set(children_of(os.getpid()))
+    assert early_restore.take("gpu", criu.path, process_snapshot / "gpu" / IMAGES, []) is None  # another: undone
+    assert set(children_of(os.getpid())) <= before  # CRIU and what it restored are gone
+    early_restore.abandon()  # nothing left to abandon
+
+
+@pytest.mark.criu
+def test_lazy_pages_hand_over_before_the_memory_is_back_and_serve_the_same(process_snapshot, tiny_model_dir,
+                                                                          cold_text, tmp_path):  # noqa: F811
+    server = boot(tmp_path, tiny_model_dir, process_snapshot, LAZY_PAGES="1")
+    try:
+        state = health(server)
+        assert state["restore_path"] == "process"
+        restore = next(s for s in state["stages"] if s["stage"] == "restore")
+        assert restore["detail"]["lazy_pages"] is True
+        assert greedy_text(server) == cold_text
+        assert "lazy pages: the restored runtime's memory is all back" in server.log()
+        assert children_of(server.process.pid) == [restore_pid(server)]  # the daemon is done and reaped
+    finally:
+        server.stop()
+
+
+def restore_pid(server) -> int:
+    line = next(line for line in server.log().splitlines() if "CRIU restored pid" in line)
+    return int(line.split("CRIU restored pid ")[1].split()[0])
