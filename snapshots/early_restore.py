@@ -43,7 +43,7 @@ def start(argv: Sequence[str], environ: Mapping[str, str] = os.environ) -> str |
         criu = environ.get("THAWLLM_CRIU") or INSTALLED_CRIU
         if kind is None or not os.access(criu, os.X_OK):
             return None
-        snapshot_dir = setting(argv, environ, "SNAPSHOT_DIR")
+        snapshot_dir = os.path.expanduser(setting(argv, environ, "SNAPSHOT_DIR"))
         with open(os.path.join(snapshot_dir, kind, MANIFEST)) as f:
             files = json.load(f)["files"]
         if image_file_problem(os.path.join(snapshot_dir, kind, IMAGES), files) is not None:
@@ -63,7 +63,7 @@ def first_kind(argv: Sequence[str], environ: Mapping[str, str]) -> str | None:
     if not _true(setting(argv, environ, "EARLY_RESTORE"), True):
         return None
     restore = setting(argv, environ, "RESTORE") or "auto"
-    snapshot_dir = setting(argv, environ, "SNAPSHOT_DIR")
+    snapshot_dir = os.path.expanduser(setting(argv, environ, "SNAPSHOT_DIR") or "")
     model = setting(argv, environ, "MODEL") or ""
     if not snapshot_dir or environ.get("AWS_LAMBDA_RUNTIME_API") or "," in model:
         return None  # several models restore a process snapshot and their pools: left to the bootstrap

@@ -204,6 +204,9 @@ def thaw(criu: Criu, directory: Path, image: SnapshotImage, message: handoff.Han
         message.restore_detail["criu_s"] = round(restore_s, 4)
         if running.lazy_pages is not None:
             message.restore_detail["lazy_pages"] = True
+        elif running.lazy_refused is not None:
+            log.warning("%s snapshot: restored without lazy pages: %s", image.kind, running.lazy_refused)
+            message.restore_detail["lazy_pages"] = False
 
         def after_restore(pid: int) -> None:
             cuda_s = helper.restore(pid)

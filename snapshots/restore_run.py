@@ -52,7 +52,9 @@ class RestoreRun:
     """`criu restore -d` of the image files in IMAGES with OPTIONS (CRIU_OPTIONS and what the snapshot's
     kind adds), from its start to `wait()`. The restored root becomes this process's child: this process
     is made a subreaper before CRIU starts. With LAZY_OPTIONS, `lazy_pages` is the pid of the daemon that
-    fills the restored memory in after `wait()`: whoever supervises the restored process watches it."""
+    fills the restored memory in after `wait()`: whoever supervises the restored process watches it. A
+    daemon that cannot start (a kernel without userfaultfd) leaves a plain restore, and its reason in
+    `lazy_refused`."""
 
     def __init__(self, criu_path: str, images: str | os.PathLike, options: Sequence[str]) -> None:
         set_subreaper()
@@ -63,20 +65,30 @@ class RestoreRun:
         self._stderr = os.path.join(self.workdir, "stderr")
         self._outcome: tuple[int, float] | BaseException | None = None
         self.lazy_pages: int | None = None
+        self.lazy_refused: str | None = None
         self.started = time.time()
         try:
-            lazy = LAZY_OPTIONS[0] in self.options
-            if lazy:
-                self.lazy_pages = self._spawn("lazy-pages", ["-D", self.images, "-W", self.workdir, "-o",
-                                                             os.path.join(self.workdir, "lazy-pages.log"), "-v2"],
-                                              ready=True)
-            self._pid = self._spawn("restore", ["-D", self.images, "-d", "--pidfile", self._pidfile, *self.options,
-                                                *(("-W", self.workdir) if lazy else ()), "-o", self._log, "-v4"])
+            restore = [o for o in self.options if o not in LAZY_OPTIONS]
+            if LAZY_OPTIONS[0] in self.options:
+                self.lazy_pages = self._start_lazy_pages()
+            if self.lazy_pages is not None:
+                restore += [*LAZY_OPTIONS, "-W", self.workdir]
+            self._pid = self._spawn("restore", ["-D", self.images, "-d", "--pidfile", self._pidfile, *restore,
+                                                "-o", self._log, "-v4"])
         except BaseException:
             if self.lazy_pages is not None:
                 _kill(self.lazy_pages)
             _remove(self.workdir)
             raise
+
+    def _start_lazy_pages(self) -> int | None:
+        """The lazy-pages daemon, ready for the restore; None (and `lazy_refused`) if it cannot start."""
+        try:
+            return self._spawn("lazy-pages", ["-D", self.images, "-W", self.workdir, "-o",
+                                              os.path.join(self.workdir, "lazy-pages.log"), "-v2"], ready=True)
+        except Exception as exc:  # noqa: BLE001 - CriuError, OSError: the restore goes on without it
+            self.lazy_refused = str(exc).splitlines()[0]
+            return None
 
     def _spawn(self, command: str, args: list[str], ready: bool = False) -> int:
         """criu COMMAND ARGS, its stderr kept; READY: wait until it says it is ready (--status-fd)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -99,9 +100,21 @@ def test_a_restore_started_early_and_not_taken_is_undone(process_snapshot):
     early_restore.abandon()  # nothing left to abandon
 
 
+def lazy_pages_blocker() -> str | None:
+    """Why this kernel cannot restore lazily (criu's own check of userfaultfd), None when it can."""
+    criu = find_criu()
+    if criu is None:
+        return "criu is not installed"
+    result = subprocess.run([criu.path, "check", "--feature", "uffd-noncoop"], capture_output=True, text=True)
+    return None if result.returncode == 0 else (result.stdout + result.stderr).strip().splitlines()[-1]
+
+
 @pytest.mark.criu
 def test_lazy_pages_hand_over_before_the_memory_is_back_and_serve_the_same(process_snapshot, tiny_model_dir,
                                                                           cold_text, tmp_path):  # noqa: F811
+    blocker = lazy_pages_blocker()
+    if blocker:
+        pytest.skip(f"this kernel cannot restore lazily: {blocker}")
     server = boot(tmp_path, tiny_model_dir, process_snapshot, LAZY_PAGES="1")
     try:
         state = health(server)
@@ -118,3 +131,22 @@ def test_lazy_pages_hand_over_before_the_memory_is_back_and_serve_the_same(proce
 def restore_pid(server) -> int:
     line = next(line for line in server.log().splitlines() if "CRIU restored pid" in line)
     return int(line.split("CRIU restored pid ")[1].split()[0])
+
+
+@pytest.mark.criu
+def test_without_userfaultfd_lazy_pages_leave_a_plain_restore(process_snapshot, tiny_model_dir,
+                                                              cold_text, tmp_path):  # noqa: F811
+    """A kernel without userfaultfd, where criu's lazy-pages daemon cannot start: the restore goes on without it."""
+    criu = tmp_path / "criu"
+    refuse = "echo 'Error (criu/uffd.c:1): uffd: no userfaultfd' >&2; exit 1"
+    criu.write_text(f"#!/bin/sh\nif [ \"$1\" = lazy-pages ]; then {refuse}; fi\nexec {find_criu().path} \"$@\"\n")
+    criu.chmod(0o755)
+    server = boot(tmp_path, tiny_model_dir, process_snapshot, LAZY_PAGES="1", THAWLLM_CRIU=str(criu))
+    try:
+        state = health(server)
+        assert state["restore_path"] == "process"
+        assert next(s for s in state["stages"] if s["stage"] == "restore")["detail"]["lazy_pages"] is False
+        assert "restored without lazy pages: criu lazy-pages exited 1" in server.log()
+        assert greedy_text(server) == cold_text
+    finally:
+        server.stop()
