@@ -1,7 +1,7 @@
 """Draw a benchmark's figure again from the JSON it wrote (faas-bench coldstart and switch), as faas-bench drew
 it: for a run whose PNG did not come back with its JSON, or a figure to check against its numbers.
 
-    python scripts/replot.py coldstart docs/benchmarks/coldstart-h100-llama-3-8b.json out.png
+    python scripts/replot.py coldstart docs/benchmarks/coldstart-h200-llama-3-8b.json out.png
     python scripts/replot.py switch docs/benchmarks/switch-latency-h100x2.json \\
         docs/benchmarks/multi-model-trace-h100x2.json out.png
 """

@@ -266,7 +266,7 @@ def test_replot_draws_a_committed_runs_figure_from_its_json_and_refuses_bad_inpu
     repo = Path(__file__).resolve().parents[1]
     out = tmp_path / "coldstart.png"
     run = subprocess.run([sys.executable, "scripts/replot.py", "coldstart",
-                          "docs/benchmarks/coldstart-h100-llama-3-8b.json", str(out)],
+                          "docs/benchmarks/coldstart-h200-llama-3-8b.json", str(out)],
                          cwd=repo, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
