@@ -25,3 +25,25 @@ def test_files_just_written_are_cached_and_dropped_pages_are_not(tmp_path):
     assert 0.4 < cached_fraction(files) < 0.6
     assert cached_fraction([]) == 1.0
     assert cached_fraction([tmp_path / "gone.bin"]) is None
+
+
+def test_a_large_file_is_asked_about_in_windows_over_its_whole_length(tmp_path):
+    """A 200 MiB file: its windows cover its start and end, so a half or a tail out of the cache shows."""
+    path = tmp_path / "weights.bin"
+    with open(path, "wb") as f:
+        for _ in range(50):
+            f.write(os.urandom(4 << 20))
+    if cached_fraction([path]) is None:
+        return  # a kernel older than 6.5 cannot say
+    assert cached_fraction([path]) > 0.99
+    size = path.stat().st_size
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, size // 2, 0, os.POSIX_FADV_DONTNEED)  # the second half
+        assert 0.45 < cached_fraction([path]) < 0.55
+        os.pread(fd, size, 0)  # all back
+        os.posix_fadvise(fd, size - (8 << 20), 0, os.POSIX_FADV_DONTNEED)  # but the last 8 MiB
+        assert 0.9 < cached_fraction([path]) < 1.0  # the last window sees the missing tail
+    finally:
+        os.close(fd)

@@ -1,5 +1,10 @@
 """How much of a set of files is in the page cache, asked of the kernel (cachestat(2), Linux 6.5+) without
-reading or mapping them. A restore uses it to choose who streams the weights (snapshots/process.py)."""
+reading or mapping them. A restore uses it to choose who streams the weights (snapshots/process.py).
+
+The kernel walks every page it is asked about: a whole file of 4 KiB pages costs about 15 ms per GiB (92 ms
+for 6 GiB on the CPU machine), which put a tenth of a second before CRIU's hand-over for Llama-3-8B's 15 GiB.
+So a large file is asked about in WINDOWS windows of WINDOW_BYTES spread over its length: the same answer for
+a file read whole or not at all, and an estimate in between, at the cost of a 64 MiB file."""
 
 from __future__ import annotations
 
@@ -9,6 +14,8 @@ import os
 from pathlib import Path
 
 SYS_CACHESTAT = 451  # the same number on x86_64 and arm64
+WINDOWS = 64
+WINDOW_BYTES = 1 << 20
 
 
 class _Range(ctypes.Structure):
@@ -38,15 +45,26 @@ def cached_fraction(paths: list[Path]) -> float | None:
         except OSError:
             return None
         try:
-            stat = _Stat()
-            if _syscall()(ctypes.c_long(SYS_CACHESTAT), ctypes.c_int(fd), ctypes.byref(_Range(0, 0)),
-                          ctypes.byref(stat), ctypes.c_uint(0)) != 0:
-                return None
-            cached += stat.nr_cache
-            total += -(-os.fstat(fd).st_size // page)
+            size = os.fstat(fd).st_size
+            for start, length in _windows(size):
+                stat = _Stat()
+                if _syscall()(ctypes.c_long(SYS_CACHESTAT), ctypes.c_int(fd), ctypes.byref(_Range(start, length)),
+                              ctypes.byref(stat), ctypes.c_uint(0)) != 0:
+                    return None
+                cached += stat.nr_cache
+                total += -(-min(length or size, size - start) // page)
         finally:
             os.close(fd)
     return min(1.0, cached / total) if total else 1.0
+
+
+def _windows(size: int) -> list[tuple[int, int]]:
+    """(offset, length) ranges to ask about: the whole file (length 0) when it is small, else WINDOWS
+    page-aligned windows from its start to its end."""
+    if size <= WINDOWS * WINDOW_BYTES * 2:
+        return [(0, 0)]
+    step = (size - WINDOW_BYTES) // (WINDOWS - 1)
+    return [((k * step) // WINDOW_BYTES * WINDOW_BYTES, WINDOW_BYTES) for k in range(WINDOWS)]
 
 
 def files_in(directory: Path) -> list[Path]:
