@@ -15,6 +15,8 @@ from snapshots import early_restore
 from snapshots.criu import find_criu
 from snapshots.restore_run import CRIU_OPTIONS, IMAGES
 from tests.snapshots.test_process_snapshot import cold_text  # noqa: F401  (the module's fixture, shared)
+from tests.server.conftest import API_KEY, start_server
+from tests.snapshots.conftest import ENGINE_ENV
 from tests.snapshots.test_process_snapshot import boot, children_of, greedy_text, health
 
 
@@ -148,5 +150,25 @@ def test_without_userfaultfd_lazy_pages_leave_a_plain_restore(process_snapshot, 
         assert next(s for s in state["stages"] if s["stage"] == "restore")["detail"]["lazy_pages"] is False
         assert "restored without lazy pages: criu lazy-pages exited 1" in server.log()
         assert greedy_text(server) == cold_text
+    finally:
+        server.stop()
+
+
+@pytest.mark.criu
+def test_a_lazy_pages_daemon_that_fails_takes_the_restored_runtime_down(process_snapshot, tiny_model_dir,
+                                                                        tmp_path):
+    """Part of its memory may never have come back: the runtime must not go on serving."""
+    blocker = lazy_pages_blocker()
+    if blocker:
+        pytest.skip(f"this kernel cannot restore lazily: {blocker}")
+    criu = tmp_path / "criu"  # the daemon does its work, then fails
+    criu.write_text(f"#!/bin/sh\nif [ \"$1\" = lazy-pages ]; then {find_criu().path} \"$@\"; exit 3; fi\n"
+                    f"exec {find_criu().path} \"$@\"\n")
+    criu.chmod(0o755)
+    server = start_server(tmp_path, "boot", MODEL=str(tiny_model_dir), SNAPSHOT_DIR=str(process_snapshot),
+                          API_KEY=API_KEY, LAZY_PAGES="1", THAWLLM_CRIU=str(criu), **ENGINE_ENV)
+    try:
+        assert server.process.wait(timeout=120) == 128 + 9  # the restored runtime was killed
+        assert "lazy pages: the daemon filling the restored runtime's memory failed (3): stopping it" in server.log()
     finally:
         server.stop()
