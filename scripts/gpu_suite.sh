@@ -7,7 +7,7 @@
 #
 # Steps:
 #   setup               wheels from $WHEELS (default .whl, if present) into /tmp/site, criu from $DEBS
-#                       (default .debs), the loader's native reader compiled in place
+#                       (default .debs), the loader's native reader compiled in place, bytecode written
 #   tests               every GPU-marked test (or those in $TEST_FILES); pytest's -rA output and junit XML
 #                       into $RESULTS
 #   model:SHAPE         a random-weight model directory of SHAPE in $MODELS (seed 0)
@@ -70,6 +70,10 @@ setup() {
     suffix=$("$PY" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
     say "compiling the native reader"
     cc -O2 -shared -fPIC runtime/weights/native_reader.c -ldl -o "runtime/weights/_native_reader$suffix"
+    # bytecode, as pip's install writes it into the image: a start reads it rather than compiling the sources
+    # (PYTHONDONTWRITEBYTECODE, set in the image, stops only the writing)
+    say "compiling bytecode"
+    "$PY" -m compileall -q -j 0 runtime snapshots handlers scripts $([ -d /tmp/site ] && echo /tmp/site) >/dev/null
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 }
 
