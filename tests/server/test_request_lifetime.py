@@ -82,9 +82,11 @@ def test_health_answers_while_a_huge_prompt_is_tokenised(one_at_a_time):
         assert httpx.get(f"{srv.url}/health", timeout=5).status_code == 200
         slowest, probes = max(slowest, time.monotonic() - started), probes + 1
         time.sleep(0.02)
-    assert probes >= 10, "the prompt was tokenised too fast to tell"
+    took = time.monotonic() - sent
+    # long enough to tell, counted in time: on a loaded machine each probe itself takes a tenth of a second or more
+    assert took > 0.5 and probes >= 3, "the prompt was tokenised too fast to tell"
     # tokenised on the event loop, one probe would wait for all of it; off it, none waits for long
-    assert slowest < min(1.0, (time.monotonic() - sent) / 4)
+    assert slowest < min(1.0, took / 4)
     r = result["response"]
     assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"]
 
