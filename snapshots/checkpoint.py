@@ -113,11 +113,6 @@ def finish_restore(run: RestoreRun) -> tuple[int, float]:
         raise SnapshotError(str(exc)) from None
 
 
-def restore(criu: Criu, directory: Path, extra: list[str] = ()) -> tuple[int, float]:
-    """`start_restore`, waited for."""
-    return finish_restore(start_restore(criu, directory, extra))
-
-
 def hand_over(pid: int, snapshot_id: str, message: handoff.Handoff, timeout: float,
               before: Callable[[int], None] | None = None, channel: socket.socket | None = None,
               check: Callable[[], None] | None = None) -> None:
