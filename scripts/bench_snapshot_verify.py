@@ -64,7 +64,7 @@ def boot(snapshot_dir: Path, env: dict[str, str], timeout: float = 300.0, stderr
     env = os.environ | env | {"SNAPSHOT_DIR": str(snapshot_dir), "PORT": str(port), "HOST": "127.0.0.1",
                               "PYTHONPATH": os.pathsep.join(paths)}
     log = stderr or tempfile.TemporaryFile(mode="w+")
-    process = subprocess.Popen([sys.executable, "-m", "runtime.bootstrap"], cwd=REPO, env=env,
+    process = subprocess.Popen([sys.executable, "-m", "runtime.entry"], cwd=REPO, env=env,
                                stdout=subprocess.DEVNULL, stderr=log)
     try:
         deadline = time.monotonic() + timeout
