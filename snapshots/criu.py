@@ -120,22 +120,22 @@ def _status_field(name: str) -> str | None:
     return None
 
 
-def failure(command: str, returncode: int, stderr: str, log_file: Path) -> CriuError:
+def failure(command: str, returncode: int, stderr: str, log_file: str | Path) -> CriuError:
     """The error of a criu COMMAND that exited RETURNCODE: its first logged error, else its stderr's end."""
     cause = _first_error(log_file) or stderr.strip()[-300:]
     return CriuError(f"criu {command} exited {returncode}: {cause}{_tail(log_file)}")
 
 
-def timed_out(command: str, timeout: float, log_file: Path) -> CriuError:
+def timed_out(command: str, timeout: float, log_file: str | Path) -> CriuError:
     return CriuError(f"criu {command} timed out after {timeout:.0f} s{_tail(log_file)}")
 
 
-def _first_error(log_file: Path) -> str:
+def _first_error(log_file: str | Path) -> str:
     """The first error criu logged, without its timestamp and source location: what a one-line reason says
     (e.g. "Can't fork for 856: File exists" when the baked pids are taken). Failing to raise RLIMIT_NOFILE
     is logged as an error but criu goes on, so it is passed over."""
     try:
-        text = log_file.read_text(errors="replace").splitlines()
+        text = Path(log_file).read_text(errors="replace").splitlines()
     except OSError:
         return ""
     for line in text:
@@ -145,9 +145,9 @@ def _first_error(log_file: Path) -> str:
     return ""
 
 
-def _tail(log_file: Path, lines: int = 12) -> str:
+def _tail(log_file: str | Path, lines: int = 12) -> str:
     try:
-        text = log_file.read_text(errors="replace").strip().splitlines()
+        text = Path(log_file).read_text(errors="replace").strip().splitlines()
     except OSError:
         return ""
     errors = [line for line in text if "Error" in line or "error" in line] or text

@@ -19,15 +19,12 @@ import json
 import os
 
 from runtime.start_paths import read_restore_order
-from snapshots.restore_run import (CRIU_OPTIONS, GPU_OPTIONS, IMAGES, INSTALLED_CRIU, LAZY_OPTIONS, MANIFEST,
-                                   RestoreRun, image_file_problem)
+from snapshots.restore_run import (CRIU_KINDS, CRIU_OPTIONS, IMAGES, INSTALLED_CRIU, MANIFEST, RestoreRun,
+                                   image_file_problem, kind_options)
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Mapping, Sequence
-
-#: the kinds of CRIU snapshot, and what each adds to CRIU's options
-KIND_OPTIONS = {"gpu": GPU_OPTIONS, "process": ()}
 
 #: the restore `start` began, until the bootstrap takes it or abandons it
 _running: RestoreRun | None = None
@@ -48,9 +45,9 @@ def start(argv: Sequence[str], environ: Mapping[str, str] = os.environ) -> str |
             files = json.load(f)["files"]
         if image_file_problem(os.path.join(snapshot_dir, kind, IMAGES), files) is not None:
             return None  # the bootstrap says why; CRIU can hang on a truncated image
-        lazy = LAZY_OPTIONS if kind == "process" and _true(setting(argv, environ, "LAZY_PAGES"), False) else ()
+        lazy = _true(setting(argv, environ, "LAZY_PAGES"), False)
         _running = RestoreRun(criu, os.path.join(snapshot_dir, kind, IMAGES),
-                              (*CRIU_OPTIONS, *KIND_OPTIONS[kind], *lazy))
+                              (*CRIU_OPTIONS, *kind_options(kind, lazy)))
         _kind = kind
         return kind
     except Exception:  # noqa: BLE001 - the bootstrap's own restore reports what is wrong
@@ -67,14 +64,14 @@ def first_kind(argv: Sequence[str], environ: Mapping[str, str]) -> str | None:
     model = setting(argv, environ, "MODEL") or ""
     if not snapshot_dir or environ.get("AWS_LAMBDA_RUNTIME_API") or "," in model:
         return None  # several models restore a process snapshot and their pools: left to the bootstrap
-    if restore in KIND_OPTIONS:
+    if restore in CRIU_KINDS:
         order = (restore,)
     elif restore == "auto":
         order = read_restore_order(snapshot_dir).paths
     else:
         return None
     for kind in order:
-        if kind not in KIND_OPTIONS:
+        if kind not in CRIU_KINDS:
             return None
         if os.path.isdir(os.path.join(snapshot_dir, kind, IMAGES)):
             return kind

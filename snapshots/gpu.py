@@ -18,7 +18,7 @@ from runtime.logs import get_logger
 from runtime.start_paths import SkipPath
 from snapshots.image import SnapshotImage
 from snapshots.process import CriuHooks, bake_snapshot
-from snapshots.restore_run import GPU_OPTIONS
+from snapshots.restore_run import kind_options
 
 if TYPE_CHECKING:
     from snapshots.cuda_checkpoint import RestoreHelper
@@ -39,7 +39,7 @@ def gpu_hooks(weights_during_restore: str = "never") -> CriuHooks:
         return RestoreHelper(Path(image.model_dir) if stream else None)
 
     return CriuHooks(before_dump=_checkpoint_cuda, start_restore_helper=start_cuda_restore,
-                     criu_options=list(GPU_OPTIONS))
+                     criu_options=list(kind_options("gpu")))
 
 
 def bake_gpu_snapshot(settings: Settings, model_dir: Path, snapshot_dir: Path,

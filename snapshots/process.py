@@ -25,7 +25,7 @@ from snapshots.criu import Criu, find_criu, restore_blockers
 from snapshots.fingerprint import current_fingerprint, resolved_device
 from snapshots.image import IMAGES, SnapshotImage, list_image_files
 from snapshots.integrity import HASH, Verification, digest_files
-from snapshots.restore_run import LAZY_OPTIONS, RestoreRun
+from snapshots.restore_run import RestoreRun, kind_options
 
 if TYPE_CHECKING:
     from snapshots.cuda_checkpoint import RestoreHelper
@@ -73,7 +73,7 @@ def process_hooks(weights_during_restore: str, lazy_pages: bool = False) -> Criu
     context takes as long to make as the runtime's, and the copy from the page cache is not what waits.
     Several models: no helper (their weights go into pool memory, mapped only once the pool exists).
     LAZY_PAGES: the restore hands over before the memory is back (snapshots/restore_run.py: LAZY_OPTIONS)."""
-    options = list(LAZY_OPTIONS) if lazy_pages else []
+    options = list(kind_options("process", lazy_pages))
     if weights_during_restore == "never":
         return CriuHooks(criu_options=options)
 
@@ -224,8 +224,8 @@ def thaw(criu: Criu, directory: Path, image: SnapshotImage, message: handoff.Han
                              verified if verification is not None else None)
         handed_over = True
     except BaseException:
-        if running is not None and running.lazy_pages is not None:
-            running.undo()  # the restored tree is gone already; the daemon goes with it
+        if running is not None:
+            running.stop_lazy_pages()  # the restored tree is gone already (undone by CRIU or killed)
         raise
     finally:
         if helper is not None:

@@ -31,7 +31,7 @@ from snapshots.criu import Criu, find_criu, restore_blockers
 from snapshots.fingerprint import Fingerprint, current_fingerprint, mismatch
 from snapshots.image import SEVERAL_MODELS_NO_GPU, ImageError, SnapshotImage
 from snapshots.integrity import DigestMismatch, Verification
-from snapshots.restore_run import CRIU_OPTIONS, IMAGES
+from snapshots.restore_run import CRIU_KINDS, CRIU_OPTIONS, IMAGES
 
 if TYPE_CHECKING:
     from runtime.engine import Engine
@@ -41,7 +41,6 @@ if TYPE_CHECKING:
 
 log = get_logger("snapshots.restore")
 
-CRIU_PATHS = ("gpu", "process")
 #: fields a snapshot does not depend on: a process snapshot never touched the GPU
 IGNORED_FIELDS = {"gpu": (), "process": ("gpu_model", "driver"), "materialized": ("criu",)}
 
@@ -70,7 +69,7 @@ def _take_over(settings: Settings, argv: list[str]) -> int | None:
     # or without one (runtime/multi_model.py); no order is measured for them
     several = len(settings.models) > 1
     order = read_restore_order(settings.snapshot_dir).paths if settings.restore == "auto" and not several \
-        else CRIU_PATHS
+        else CRIU_KINDS
     for position, kind in enumerate(order):
         if kind == "materialized":
             why_not = materialized_unfit(settings)
@@ -99,14 +98,14 @@ def _take_over(settings: Settings, argv: list[str]) -> int | None:
         except DigestMismatch as exc:  # undone by thaw, like any failure; the reason is the file
             log.warning("restore path %s refused, starting fresh: %s", kind, exc)
             _skipped[kind] = str(exc)
-            for later in CRIU_PATHS[CRIU_PATHS.index(kind) + 1:]:
+            for later in CRIU_KINDS[CRIU_KINDS.index(kind) + 1:]:
                 _skipped.setdefault(later, f"not tried after the {kind} restore failed")
             return None
         except Exception as exc:  # undone by thaw; start fresh, once
             log.warning("restore path %s failed, starting fresh: %s", kind, exc)
             _skipped[kind] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             for later in order[position + 1:]:
-                if later in CRIU_PATHS:
+                if later in CRIU_KINDS:
                     _skipped.setdefault(later, f"not tried after the {kind} restore failed")
             return None
         from snapshots.supervise import supervise

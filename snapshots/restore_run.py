@@ -28,11 +28,20 @@ GPU_OPTIONS = ("--ext-unix-sk",)
 LAZY_OPTIONS = ("--lazy-pages",)
 #: how long the lazy-pages daemon may take to be ready for the restore
 LAZY_READY_S = 10.0
+#: the kinds of CRIU snapshot
+CRIU_KINDS = ("gpu", "process")
 
 PR_SET_CHILD_SUBREAPER = 36
 SIGKILL = 9  # the signal module imports enum
 #: how long a restore may take before it is killed and failed
 TIMEOUT_S = 300.0
+
+
+def kind_options(kind: str, lazy_pages: bool = False) -> tuple[str, ...]:
+    """What a KIND of snapshot adds to CRIU_OPTIONS at restore (LAZY_PAGES: process snapshots only)."""
+    if kind == "gpu":
+        return GPU_OPTIONS
+    return LAZY_OPTIONS if lazy_pages else ()
 
 
 def image_file_problem(images: str | os.PathLike, files: dict[str, int]) -> str | None:
@@ -76,8 +85,7 @@ class RestoreRun:
             self._pid = self._spawn("restore", ["-D", self.images, "-d", "--pidfile", self._pidfile, *restore,
                                                 "-o", self._log, "-v4"])
         except BaseException:
-            if self.lazy_pages is not None:
-                _kill(self.lazy_pages)
+            self.stop_lazy_pages()
             _remove(self.workdir)
             raise
 
@@ -112,8 +120,7 @@ class RestoreRun:
                     _kill(pid)
                     from snapshots.criu import failure
 
-                    raise failure(command, 1, self._read_stderr(), _path(os.path.join(self.workdir,
-                                                                                       "lazy-pages.log")))
+                    raise failure(command, 1, self._read_stderr(), os.path.join(self.workdir, "lazy-pages.log"))
             finally:
                 os.close(status_read)
         return pid
@@ -142,7 +149,7 @@ class RestoreRun:
         if status is None:
             from snapshots.criu import timed_out
 
-            raise timed_out("restore", timeout, _path(self._log))
+            raise timed_out("restore", timeout, self._log)
         if os.waitstatus_to_exitcode(status) != 0:
             raise self._failure(os.waitstatus_to_exitcode(status))
         with open(self._pidfile) as f:
@@ -156,6 +163,10 @@ class RestoreRun:
         except Exception:  # noqa: BLE001 - CRIU failed and undid it: nothing is left
             return
         kill_tree(pid)
+        self.stop_lazy_pages()
+
+    def stop_lazy_pages(self) -> None:
+        """Kill and reap the lazy-pages daemon, if one is running: what it was filling in is gone."""
         if self.lazy_pages is not None:
             _kill(self.lazy_pages)
             self.lazy_pages = None
@@ -176,10 +187,8 @@ class RestoreRun:
         """snapshots/criu.py's CriuError, with CRIU's first error (imported here: it imports this module)."""
         from snapshots.criu import failure
 
-        if self.lazy_pages is not None:
-            _kill(self.lazy_pages)
-            self.lazy_pages = None
-        return failure("restore", code, self._read_stderr(), _path(self._log))
+        self.stop_lazy_pages()
+        return failure("restore", code, self._read_stderr(), self._log)
 
     def _read_stderr(self) -> str:
         try:
@@ -234,9 +243,3 @@ def _remove(directory: str) -> None:
         os.rmdir(directory)
     except FileNotFoundError:
         pass
-
-
-def _path(text: str):
-    from pathlib import Path
-
-    return Path(text)
