@@ -17,6 +17,7 @@ import os
 import socket
 import time
 from dataclasses import asdict, dataclass, field
+from typing import Callable
 
 ACK = b"ok"
 _MAX_MESSAGE = 1 << 20
@@ -52,9 +53,12 @@ def listen(snapshot_id: str) -> socket.socket:
     return listener
 
 
-def receive(listener: socket.socket) -> tuple[Handoff, socket.socket, socket.socket | None]:
+def receive(listener: socket.socket, settle: Callable[[dict[str, str]], None] | None = None,
+            ) -> tuple[Handoff, socket.socket, socket.socket | None]:
     """Restored side: wait for the bootstrap, take over its stdout/stderr, environment and directory.
-    Returns the message, the connection (to acknowledge on) and the weights channel, if one came."""
+    SETTLE is given the environment before it is applied (snapshots/device_start.py: a thread may have
+    applied it already, and may be reading it). Returns the message, the connection (to acknowledge on) and
+    the weights channel, if one came."""
     conn, _ = listener.accept()  # the frozen process sleeps here; CRIU restarts the call after restore
     listener.close()
     fds = array.array("i")
@@ -70,8 +74,11 @@ def receive(listener: socket.socket) -> tuple[Handoff, socket.socket, socket.soc
         os.dup2(fd, target)
         os.close(fd)
     channel = socket.socket(fileno=fds[2]) if handoff.weights_channel else None
-    os.environ.clear()
-    os.environ.update(handoff.environ)
+    if settle is not None:
+        settle(handoff.environ)
+    if os.environ != handoff.environ:  # changing the C library's environment is unsafe while a thread reads it
+        os.environ.clear()
+        os.environ.update(handoff.environ)
     os.chdir(handoff.cwd)
     return handoff, conn, channel
 

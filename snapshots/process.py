@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Callable
 
 from runtime.config import Settings
 from runtime.logs import get_logger
-from runtime.timeline import process_start_time
+from runtime.spawn_time import ENV as SPAWN_TIME, spawn_time
 from snapshots import checkpoint, handoff
 from snapshots.checkpoint import SnapshotError
 from snapshots.criu import Criu, find_criu, restore_blockers
@@ -191,7 +191,9 @@ def thaw(criu: Criu, directory: Path, image: SnapshotImage, message: handoff.Han
     try:
         if running is None:
             message.restore_detail["before_criu_s"] = round(time.time() - message.restore_started, 4)
-            running = checkpoint.start_restore(criu, directory, hooks.criu_options)
+            device_start = None if message.verify or image.kind != "process" else (image.snapshot_id,
+                                                                                  message.environ)
+            running = checkpoint.start_restore(criu, directory, hooks.criu_options, device_start)
         else:  # CRIU has been restoring since the entry point; the bootstrap's imports and checks overlapped it
             message.restore_detail["early_s"] = round(time.time() - running.started, 4)
         try:
@@ -202,6 +204,10 @@ def thaw(criu: Criu, directory: Path, image: SnapshotImage, message: handoff.Han
             raise
         log.info("%s snapshot: CRIU restored pid %d in %.3f s", image.kind, pid, restore_s)
         message.restore_detail["criu_s"] = round(restore_s, 4)
+        if running.device_start is not None:
+            running.device_start.join(0.1)  # it sends as CRIU exits: done by now unless nobody listens
+            if running.device_start.sent_at is not None:  # the restored runtime was told to start its device
+                message.restore_detail["device_start_s"] = round(running.device_start.sent_at - running.started, 4)
         if running.lazy_pages is not None:
             message.restore_detail["lazy_pages"] = True
         elif running.lazy_refused is not None:
@@ -236,9 +242,9 @@ def thaw(criu: Criu, directory: Path, image: SnapshotImage, message: handoff.Han
 def boot_handoff(kind: str, argv: list[str], skipped: dict[str, str],
                  running: RestoreRun | None = None) -> handoff.Handoff:
     """The message for a restore at boot: this process's instance. RUNNING: the restore started early, whose
-    start is the restore's."""
-    spawned = os.environ.get("THAWLLM_SPAWN_TIME")
-    return handoff.Handoff(environ=dict(os.environ), cwd=os.getcwd(),
-                           spawn_time=float(spawned) if spawned else process_start_time(),
+    start is the restore's. Its environment, the one the device start sends (snapshots/device_start.py), names
+    the spawn time the restored runtime's timeline counts from."""
+    environ = dict(os.environ) | {SPAWN_TIME: os.environ.get(SPAWN_TIME) or repr(spawn_time())}
+    return handoff.Handoff(environ=environ, cwd=os.getcwd(), spawn_time=float(environ[SPAWN_TIME]),
                            restore_started=running.started if running is not None else time.time(),
                            restore_path=kind, argv=list(argv), skipped=dict(skipped))
