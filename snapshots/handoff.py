@@ -40,6 +40,9 @@ class Handoff:
     restore_detail: dict[str, float] = field(default_factory=dict)  # seconds of CRIU's and CUDA's parts
     weights_channel: bool = False  # a third descriptor: the helper's weights (see above)
     verify_span: list[float] = field(default_factory=list)  # [start, end, bytes] of the image files' check
+    # the same for the materialized snapshot's files, where the bootstrap checked them beside the image and
+    # they passed (the restored process then does not hash them again)
+    materialized_span: list[float] = field(default_factory=list)
 
 
 def socket_name(snapshot_id: str) -> str:

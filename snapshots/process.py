@@ -24,7 +24,7 @@ from snapshots.checkpoint import SnapshotError
 from snapshots.criu import Criu, find_criu, restore_blockers
 from snapshots.fingerprint import current_fingerprint, resolved_device
 from snapshots.image import IMAGES, SnapshotImage, list_image_files
-from snapshots.integrity import HASH, Verification, digest_files
+from snapshots.integrity import HASH, DigestMismatch, Verification, digest_files
 from snapshots.restore_run import RestoreRun, kind_options
 
 if TYPE_CHECKING:
@@ -172,13 +172,14 @@ def verify_restores(criu: Criu, directory: Path, image: SnapshotImage, hooks: Cr
 
 def thaw(criu: Criu, directory: Path, image: SnapshotImage, message: handoff.Handoff,
          hooks: CriuHooks, verification: Verification | None = None,
-         running: RestoreRun | None = None) -> RestoreRun:
+         running: RestoreRun | None = None, materialized: Verification | None = None) -> RestoreRun:
     """Restore and hand over; returns the restore, done (`wait()`: the running process's pid, our child, and
     the restore's seconds; `lazy_pages`: the daemon still filling its memory in, if LAZY_PAGES).
     VERIFICATION (the image files' digests, being checked since before the restore) must pass before the
     restored process gets its instance. RUNNING: this snapshot's restore, started early by the entry point
-    (snapshots/early_restore.py), else it starts here. Raises SnapshotError, HandoffError or DigestMismatch
-    with nothing left running."""
+    (snapshots/early_restore.py), else it starts here. MATERIALIZED: the check of the materialized snapshot
+    the restored engine will use, waited for with the image's; its verdict goes with the hand-over when it
+    passed. Raises SnapshotError, HandoffError or DigestMismatch with nothing left running."""
     helper = None
     try:
         if hooks.start_restore_helper is not None:
@@ -224,6 +225,12 @@ def thaw(criu: Criu, directory: Path, image: SnapshotImage, message: handoff.Han
         def verified() -> None:
             verification.wait()
             message.verify_span = verification.span()
+            if materialized is not None:
+                try:
+                    materialized.wait()
+                    message.materialized_span = materialized.span()
+                except DigestMismatch:  # the restored process checks them itself, and says why it goes without
+                    pass
 
         checkpoint.hand_over(pid, image.snapshot_id, message, HANDOFF_TIMEOUT_S,
                              after_restore if helper is not None and helper.restores_cuda else None, channel,

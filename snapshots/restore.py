@@ -89,12 +89,13 @@ def _take_over(settings: Settings, argv: list[str]) -> int | None:
         directory = settings.snapshot_dir / kind
         # the image files are hashed on threads while CRIU restores; the verdict comes before the hand-over
         verification = image.start_verify(directory)
+        materialized = _materialized_verify(settings) if kind == "process" and not several else None
         running = early_restore.take(kind, criu.path, directory / IMAGES, [*CRIU_OPTIONS, *hooks.criu_options])
         try:
             from snapshots.process import boot_handoff, thaw
 
             restored = thaw(criu, directory, image, boot_handoff(kind, argv, _skipped, running), hooks,
-                            verification, running)
+                            verification, running, materialized)
         except DigestMismatch as exc:  # undone by thaw, like any failure; the reason is the file
             log.warning("restore path %s refused, starting fresh: %s", kind, exc)
             _skipped[kind] = str(exc)
@@ -154,8 +155,10 @@ def restore_gpu(settings: Settings, timeline: Timeline) -> "Engine":
 
 def restore_process(settings: Settings, timeline: Timeline) -> "Engine":
     engine = _restored_engine("process", timeline)
+    span = thawed.current.handoff.materialized_span  # checked by the bootstrap, beside the image
+    checked = Verification.passed(span, "materialized snapshot file") if span else None
     try:
-        kv_blocks, graphs = materialized_state(settings, timeline)
+        kv_blocks, graphs = materialized_state(settings, timeline, checked)
     except SkipPath as why:
         log.info("process path without materialized state: %s", why)
         kv_blocks, graphs = None, None
@@ -226,6 +229,15 @@ def materialized_state(settings: Settings, timeline: Timeline, verification: Ver
         timeline.record(stages.SNAPSHOT_VERIFY, verification.started, verification.ended or time.time(),
                         snapshot="materialized", bytes=verification.bytes)
     return load_kv_blocks(directory), graphs
+
+
+def _materialized_verify(settings: Settings) -> Verification | None:
+    """The check of the materialized snapshot a process restore's engine will use, started now so that the
+    bootstrap runs it beside the image's; None where there is none to use (the restored process says why)."""
+    try:
+        return _start_verify(_materialized_dir(settings))
+    except Exception:  # noqa: BLE001 - SkipPath and any damage: the restored process finds it out again
+        return None
 
 
 def _start_verify(directory: Path) -> Verification:

@@ -118,6 +118,40 @@ def test_timeline_is_measured_from_the_new_spawn(process_snapshot, tiny_model_di
         server.stop()
 
 
+def test_materialized_state_is_checked_by_the_bootstrap_beside_the_image(snapshot_copy, tiny_model_dir, cold_text,
+                                                                          tmp_path):
+    from snapshots.materialized import DIRNAME
+    from tests.snapshots.test_materialized_path import BAKED_BLOCKS, bake_materialized_kv
+
+    bake_materialized_kv(snapshot_copy, tiny_model_dir)
+    server = boot(tmp_path, tiny_model_dir, snapshot_copy, RESTORE="process")
+    try:
+        state = health(server)
+        assert state["restore_path"] == "process" and state["engine"]["kv_blocks_total"] == BAKED_BLOCKS
+        checks = {s["detail"]["snapshot"]: s for s in state["stages"] if s["stage"] == "snapshot_verify"}
+        restore = next(s for s in state["stages"] if s["stage"] == "restore")
+        # hashed before the hand-over, by the bootstrap: the restored runtime did not hash the files again
+        assert checks["materialized"]["end_s"] <= restore["end_s"] and checks["materialized"]["detail"]["bytes"] > 0
+        assert greedy_text(server) == cold_text
+    finally:
+        server.stop()
+
+    # changed after the bake: the restored runtime checks the files itself and goes on without them
+    profile = snapshot_copy / DIRNAME / "kvprofile.json"
+    profile.write_text(profile.read_text().replace(str(BAKED_BLOCKS), str(BAKED_BLOCKS + 11)))  # same size
+    (tmp_path / "changed").mkdir()
+    server = boot(tmp_path / "changed", tiny_model_dir, snapshot_copy, RESTORE="process")
+    try:
+        state = health(server)
+        assert state["restore_path"] == "process"
+        assert state["engine"]["kv_blocks_total"] not in (BAKED_BLOCKS, BAKED_BLOCKS + 11)
+        assert ("process path without materialized state: materialized snapshot file kvprofile.json does not match"
+                in server.log())
+        assert greedy_text(server) == cold_text
+    finally:
+        server.stop()
+
+
 def test_fingerprint_mismatch_falls_back_to_cold(snapshot_copy, tiny_model_dir, cold_text, tmp_path):
     manifest = snapshot_copy / "process" / MANIFEST
     data = json.loads(manifest.read_text())
