@@ -5,9 +5,10 @@ The hand-over (snapshots/handoff.py) waits for the image's digests and, when CRI
 point, for the bootstrap's own imports and checks; the restored runtime's first job after it, making its
 CUDA context, took 0.13-0.19 s on the H200 machine and needs none of what the hand-over brings. So the frozen
 process also listens on a second socket, on a thread of its own, and `Sender` (started with every boot's
-`criu restore`, snapshots/restore_run.py) connects to it as CRIU exits and sends the boot's environment
-(CUDA_VISIBLE_DEVICES and the rest are read when the context is made). The restored process takes it and
-starts its device (`Engine.init_device`), while the bootstrap finishes its checks; it serves nothing, and
+`criu restore`, snapshots/restore_run.py) sends the boot's environment to it as soon as CRIU has restored
+that socket (CUDA_VISIBLE_DEVICES and the rest are read when the context is made). The restored process
+reads it the moment it resumes and starts its device (`Engine.init_device`), while CRIU exits and the
+bootstrap finishes its checks; it serves nothing, and
 gets stdout, stderr and the go-ahead, until the hand-over, which comes only after every check has passed. A
 restore the bootstrap does not take is killed, whatever its device was doing.
 
@@ -39,9 +40,15 @@ def socket_name(snapshot_id: str) -> str:
     return f"\0thawllm-device-start-{snapshot_id}"
 
 
+#: how often the sender tries to connect while CRIU restores
+RETRY_S = 0.002
+
+
 class Sender:
-    """Waits on a thread for the CRIU process PID to exit, then sends ENVIRON to the restored process of
-    SNAPSHOT_ID, if it listens. Never raises: without it the device starts after the hand-over."""
+    """Sends ENVIRON to the restored process of SNAPSHOT_ID from a thread: it connects as soon as CRIU (the
+    process PID) has restored the listening socket, which is early in a restore, so the message waits in the
+    socket for the process to resume; it gives up once CRIU has exited with nobody listening. Never raises:
+    without it the device starts after the hand-over."""
 
     def __init__(self, pid: int, snapshot_id: str, environ: Mapping[str, str]) -> None:
         import threading
@@ -58,16 +65,19 @@ class Sender:
         import socket
 
         try:
-            select.select([self._pidfd], [], [])
+            while True:
+                exited = bool(select.select([self._pidfd], [], [], RETRY_S)[0])
+                try:
+                    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                        sock.connect(self._name)
+                        sock.sendall(self._message)
+                    self.sent_at = time.time()
+                    return
+                except OSError:  # not restored yet; once CRIU is gone, nothing will listen
+                    if exited:
+                        return
         finally:
             os.close(self._pidfd)
-        try:
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-                sock.connect(self._name)
-                sock.sendall(self._message)
-            self.sent_at = time.time()
-        except OSError:  # nothing restored, or nothing listening: the hand-over starts the device
-            pass
 
     def join(self, timeout: float | None = None) -> None:
         self._thread.join(timeout)

@@ -206,8 +206,8 @@ def thaw(criu: Criu, directory: Path, image: SnapshotImage, message: handoff.Han
         log.info("%s snapshot: CRIU restored pid %d in %.3f s", image.kind, pid, restore_s)
         message.restore_detail["criu_s"] = round(restore_s, 4)
         if running.device_start is not None:
-            running.device_start.join(0.1)  # it sends as CRIU exits: done by now unless nobody listens
-            if running.device_start.sent_at is not None:  # the restored runtime was told to start its device
+            running.device_start.join(0.1)  # done once CRIU has exited, by now
+            if running.device_start.sent_at is not None:  # queued for the restored runtime then
                 message.restore_detail["device_start_s"] = round(running.device_start.sent_at - running.started, 4)
         if running.lazy_pages is not None:
             message.restore_detail["lazy_pages"] = True

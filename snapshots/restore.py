@@ -193,7 +193,7 @@ def materialized_unfit(settings: Settings) -> str | None:
 
 
 def _materialized_dir(settings: Settings, pooled: bool = False) -> Path:
-    from snapshots.materialized import DIRNAME, FINGERPRINT, baked_pooled
+    from snapshots.materialized_files import DIRNAME, FINGERPRINT, baked_pooled
 
     if settings.snapshot_dir is None:
         raise SkipPath("SNAPSHOT_DIR is not set")
@@ -215,7 +215,7 @@ def materialized_state(settings: Settings, timeline: Timeline, verification: Ver
     matches its baked digest (VERIFICATION: that check, started earlier). POOLED: for a model of a
     several-model instance, whose graphs must have been baked against its KV cache in the pool."""
     from snapshots.cudagraph.restore import MaterializedGraphs
-    from snapshots.materialized import load_kv_blocks
+    from snapshots.materialized_files import load_kv_blocks
 
     directory = _materialized_dir(settings, pooled)
     verification = verification or _start_verify(directory)
@@ -241,7 +241,7 @@ def _materialized_verify(settings: Settings) -> Verification | None:
 
 
 def _start_verify(directory: Path) -> Verification:
-    from snapshots.materialized import DIGESTS
+    from snapshots.materialized_files import DIGESTS
 
     try:
         baked = json.loads((directory / DIGESTS).read_text())

@@ -1,6 +1,6 @@
 """The device start before the hand-over (snapshots/device_start.py), between a real child process standing in
-for CRIU and a listener in this process: when the start is sent, what environment the runtime then has, and
-when the hand-over must wait for the device start to finish."""
+for CRIU and a listener in this process standing in for the restored runtime: when the start goes, what
+environment the runtime then has, and when the hand-over must wait for the device start to finish."""
 
 from __future__ import annotations
 
@@ -48,16 +48,15 @@ def criu_stand_in(seconds: float) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", f"import time; time.sleep({seconds})"])
 
 
-def test_the_device_starts_when_criu_exits_with_the_boot_environment(environ):
+def test_the_start_goes_as_soon_as_the_restored_socket_listens(environ):
     snapshot_id, device = uuid.uuid4().hex, Device()
-    listener = Listener(snapshot_id, device.start)
     boot = dict(os.environ) | {"THAWLLM_TEST_DEVICE": "1"}
-    criu = criu_stand_in(0.3)
+    criu = criu_stand_in(1.0)
     sender = Sender(criu.pid, snapshot_id, boot)
-    time.sleep(0.15)
-    assert not device.began.is_set()  # nothing before CRIU is done
-    criu.wait()
-    assert device.began.wait(5) and device.seen == "1"
+    time.sleep(0.1)
+    assert sender.sent_at is None  # nothing listens yet: CRIU has not restored the socket
+    listener = Listener(snapshot_id, device.start)  # restored, while CRIU still runs
+    assert device.began.wait(0.5) and device.seen == "1" and criu.poll() is None
     sender.join(5)
     assert sender.sent_at is not None and listener.started_at is not None
     # the hand-over brings the same environment: it does not wait for the device, which is still starting
@@ -85,9 +84,9 @@ def test_no_start_after_the_hand_over(environ):
     snapshot_id, device = uuid.uuid4().hex, Device()
     listener = Listener(snapshot_id, device.start)
     listener.settle(dict(os.environ))  # the hand-over came first: nobody listens any more
-    criu = criu_stand_in(0)
+    criu = criu_stand_in(0.2)
     sender = Sender(criu.pid, snapshot_id, dict(os.environ) | {"THAWLLM_TEST_DEVICE": "1"})
-    criu.wait()
-    sender.join(5)
+    sender.join(5)  # gives up once CRIU has exited
+    assert criu.poll() is not None
     assert sender.sent_at is None and listener.started_at is None
     assert not device.began.wait(0.2) and "THAWLLM_TEST_DEVICE" not in os.environ
