@@ -9,9 +9,6 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    from runtime.spawn_time import pin_spawn_time
-
-    pin_spawn_time()  # the restored runtime and this process count their timelines from one spawn
     if "-h" not in argv and "--help" not in argv:
         from snapshots import early_restore
 

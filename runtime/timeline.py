@@ -7,13 +7,12 @@ be recorded from any thread.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Iterator
-
-from runtime.spawn_time import spawn_time
 
 RUNTIME_INIT = "runtime_init"
 RESTORE = "restore"
@@ -48,9 +47,21 @@ class Stage:
         return (self.end if self.end is not None else time.time()) - self.start
 
 
+def process_start_time(pid: int | None = None) -> float:
+    """Wall-clock time at which a process was spawned, from /proc (10 ms resolution)."""
+    try:
+        with open(f"/proc/{pid or 'self'}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        ticks = int(fields[19])  # field 22, counted after the ") " that ends the command name
+        since_boot = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+        return time.time() - since_boot
+    except (OSError, ValueError, IndexError):
+        return time.time()
+
+
 class Timeline:
     def __init__(self, origin: float | None = None) -> None:
-        self.origin = origin if origin is not None else spawn_time()
+        self.origin = origin if origin is not None else _spawn_origin()
         self._stages: list[Stage] = []
         self._lock = threading.Lock()
 
@@ -122,6 +133,11 @@ class Timeline:
             detail = " ".join(f"{k}={_short(v)}" for k, v in s.detail.items())
             rows.append(f"  {s.name:<16} {s.start - self.origin:8.3f} {end:>8} {s.seconds:8.3f}  {detail}")
         return "\n".join(rows)
+
+
+def _spawn_origin() -> float:
+    spawned = os.environ.get("THAWLLM_SPAWN_TIME")
+    return float(spawned) if spawned else process_start_time()
 
 
 def _short(value: Any) -> str:

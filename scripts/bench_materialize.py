@@ -34,7 +34,7 @@ DEFERRED_UP_TO = 8  # GRAPHS_BEFORE_READY's default
 def child(mode: str, model_dir: Path, snapshot: Path) -> dict:
     from runtime.launch import build_engine
     from snapshots.cudagraph.restore import MaterializedGraphs
-    from snapshots.materialized_files import load_kv_blocks
+    from snapshots.materialized import load_kv_blocks
 
     engine = build_engine(model_dir, EngineConfig(**CONFIG))
     t0 = time.perf_counter()

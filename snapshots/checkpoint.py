@@ -99,11 +99,10 @@ def dump(criu: Criu, frozen: Frozen, directory: Path, extra: list[str] = ()) -> 
     return time.time() - started
 
 
-def start_restore(criu: Criu, directory: Path, extra: list[str] = (),
-                  device_start: tuple[str, dict[str, str]] | None = None) -> RestoreRun:
+def start_restore(criu: Criu, directory: Path, extra: list[str] = ()) -> RestoreRun:
     """criu restore of the snapshot in DIRECTORY, detached, in the background: the restored init becomes our
-    child (we are its subreaper). CRIU undoes a restore that fails. DEVICE_START: see RestoreRun."""
-    return RestoreRun(criu.path, directory / IMAGES, [*CRIU_OPTIONS, *extra], device_start)
+    child (we are its subreaper). CRIU undoes a restore that fails."""
+    return RestoreRun(criu.path, directory / IMAGES, [*CRIU_OPTIONS, *extra])
 
 
 def finish_restore(run: RestoreRun) -> tuple[int, float]:

@@ -42,14 +42,12 @@ def start(argv: Sequence[str], environ: Mapping[str, str] = os.environ) -> str |
             return None
         snapshot_dir = os.path.expanduser(setting(argv, environ, "SNAPSHOT_DIR"))
         with open(os.path.join(snapshot_dir, kind, MANIFEST)) as f:
-            manifest = json.load(f)
-        if image_file_problem(os.path.join(snapshot_dir, kind, IMAGES), manifest["files"]) is not None:
+            files = json.load(f)["files"]
+        if image_file_problem(os.path.join(snapshot_dir, kind, IMAGES), files) is not None:
             return None  # the bootstrap says why; CRIU can hang on a truncated image
         lazy = _true(setting(argv, environ, "LAZY_PAGES"), False)
-        # the environment the hand-over will carry (snapshots/process.py: boot_handoff)
-        device_start = (str(manifest["snapshot_id"]), dict(environ)) if kind == "process" else None
         _running = RestoreRun(criu, os.path.join(snapshot_dir, kind, IMAGES),
-                              (*CRIU_OPTIONS, *kind_options(kind, lazy)), device_start)
+                              (*CRIU_OPTIONS, *kind_options(kind, lazy)))
         _kind = kind
         return kind
     except Exception:  # noqa: BLE001 - the bootstrap's own restore reports what is wrong

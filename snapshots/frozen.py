@@ -4,11 +4,9 @@ models, a process snapshot only: every model's engine, CPU phase only, on each o
 stdin/stdout/stderr on /dev/null, tells the bake it is ready and blocks waiting for a handoff. The bake
 checkpoints it there.
 
-A process snapshot's also waits, on a thread, to be told to start its device the moment it is restored
-(snapshots/device_start.py). After a restore, it takes over the bootstrap's stdout/stderr and environment
-(snapshots/handoff.py) and runs the bootstrap again, in this process: settings, logging and the listening
-socket are all of the instance it was restored into; the restore paths find the engine (or the models'
-engines) in `snapshots.thawed.current`.
+After a restore, it takes over the bootstrap's stdout/stderr and environment (snapshots/handoff.py) and runs
+the bootstrap again, in this process: settings, logging and the listening socket are all of the instance
+it was restored into; the restore paths find the engine (or the models' engines) in `snapshots.thawed.current`.
 """
 
 from __future__ import annotations
@@ -25,7 +23,6 @@ from pathlib import Path
 from runtime.config import Settings
 from runtime.logs import get_logger, setup_logging
 from snapshots import handoff, thawed
-from snapshots.device_start import Listener
 
 log = get_logger("snapshots.frozen")
 
@@ -217,21 +214,17 @@ def main() -> int:
     built = build(args.kind, args.model_dir, settings)
     engine, models = (built, None) if args.model_dir is not None else (None, built)
     listener = handoff.listen(args.snapshot_id)
-    device_start = None
-    if args.kind == "process":  # a gpu snapshot's device comes back with its CUDA restore
-        first = engine or models.first()
-        device_start = Listener(args.snapshot_id, lambda: first.init_device(ahead=True, before_handover=True))
     log.info("%s snapshot: engine built, waiting to be checkpointed", args.kind)
     park_stdio()
     os.write(args.ready_fd, b"ready\n")
     os.close(args.ready_fd)
 
-    # checkpointed here; everything below runs restored
-    received, conn, channel = handoff.receive(listener, device_start.settle if device_start is not None else None)
+    received, conn, channel = handoff.receive(listener)  # <- checkpointed here; everything below runs restored
     stack_started = time.time()
     if restore_local_memory():
         received.restore_detail["stack_s"] = round(time.time() - stack_started, 4)
     taken_over_at = time.time()
+    os.environ["THAWLLM_SPAWN_TIME"] = repr(received.spawn_time)
     if received.verify and engine is not None and engine.runner is not None:
         engine.runner.allocator.remap()  # the bake checks that released ranges map again (no-op if none)
     weights = handover = None

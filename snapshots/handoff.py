@@ -17,7 +17,6 @@ import os
 import socket
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable
 
 ACK = b"ok"
 _MAX_MESSAGE = 1 << 20
@@ -40,9 +39,6 @@ class Handoff:
     restore_detail: dict[str, float] = field(default_factory=dict)  # seconds of CRIU's and CUDA's parts
     weights_channel: bool = False  # a third descriptor: the helper's weights (see above)
     verify_span: list[float] = field(default_factory=list)  # [start, end, bytes] of the image files' check
-    # the same for the materialized snapshot's files, where the bootstrap checked them beside the image and
-    # they passed (the restored process then does not hash them again)
-    materialized_span: list[float] = field(default_factory=list)
 
 
 def socket_name(snapshot_id: str) -> str:
@@ -56,12 +52,9 @@ def listen(snapshot_id: str) -> socket.socket:
     return listener
 
 
-def receive(listener: socket.socket, settle: Callable[[dict[str, str]], None] | None = None,
-            ) -> tuple[Handoff, socket.socket, socket.socket | None]:
+def receive(listener: socket.socket) -> tuple[Handoff, socket.socket, socket.socket | None]:
     """Restored side: wait for the bootstrap, take over its stdout/stderr, environment and directory.
-    SETTLE is given the environment before it is applied (snapshots/device_start.py: a thread may have
-    applied it already, and may be reading it). Returns the message, the connection (to acknowledge on) and
-    the weights channel, if one came."""
+    Returns the message, the connection (to acknowledge on) and the weights channel, if one came."""
     conn, _ = listener.accept()  # the frozen process sleeps here; CRIU restarts the call after restore
     listener.close()
     fds = array.array("i")
@@ -77,11 +70,8 @@ def receive(listener: socket.socket, settle: Callable[[dict[str, str]], None] | 
         os.dup2(fd, target)
         os.close(fd)
     channel = socket.socket(fileno=fds[2]) if handoff.weights_channel else None
-    if settle is not None:
-        settle(handoff.environ)
-    if os.environ != handoff.environ:  # changing the C library's environment is unsafe while a thread reads it
-        os.environ.clear()
-        os.environ.update(handoff.environ)
+    os.environ.clear()
+    os.environ.update(handoff.environ)
     os.chdir(handoff.cwd)
     return handoff, conn, channel
 

@@ -56,12 +56,6 @@ class Verification:
         check._thread.start()
         return check
 
-    @classmethod
-    def passed(cls, span: list[float], what: str) -> "Verification":
-        """A check another process ran and passed: its SPAN, as `span()` gave it."""
-        started, ended, nbytes = span
-        return cls(Path(), {}, HASH, what, started, ended, int(nbytes))
-
     def _run(self) -> None:
         try:
             self.bytes = sum((self.directory / n).stat().st_size for n in self.expected
@@ -73,8 +67,7 @@ class Verification:
 
     def wait(self) -> None:
         """Returns once every file matched; raises DigestMismatch naming the first that did not."""
-        if self._thread is not None:
-            self._thread.join()
+        self._thread.join()
         if self._error is not None:
             raise DigestMismatch(f"{self.what}s could not be checked: {self._error}")
         if self._bad:

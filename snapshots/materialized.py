@@ -27,13 +27,26 @@ from typing import TYPE_CHECKING
 from runtime.engine.engine_config import EngineConfig
 from runtime.engine.model_runner import KVProfile
 from runtime.logs import get_logger
-from snapshots.materialized_files import DIRNAME, FINGERPRINT, load_kv_blocks, write_digests
 
 if TYPE_CHECKING:
     from runtime.engine import Engine
     from runtime.pool.pool import ModelPool
 
 log = get_logger("snapshots.materialized")
+
+DIRNAME = "materialized"
+#: the Fingerprint (snapshots/fingerprint.py) it was baked against; the restore paths check it
+FINGERPRINT = "fingerprint.json"
+#: {"hash": ..., "files": {name: digest}} of every other file, written last
+DIGESTS = "digests.json"
+
+
+def write_digests(directory: Path) -> None:
+    from snapshots.integrity import HASH, digest_files
+
+    names = sorted(p.name for p in directory.iterdir() if p.is_file() and p.name != DIGESTS)
+    (directory / DIGESTS).write_text(json.dumps({"hash": HASH, "files": digest_files(directory, names)}, indent=1))
+
 
 class MaterializeError(RuntimeError):
     pass
@@ -141,6 +154,15 @@ def _in_child(action: str, path: Path, timeout_s: int, what: str, quiet: bool = 
         tail = "\n".join(result.stderr.strip().splitlines()[-25:]) if quiet else "its log is above"
         raise MaterializeError(f"{what} failed:\n{tail}")
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def load_kv_blocks(directory: Path) -> int:
+    return json.loads((directory / "kvprofile.json").read_text())["num_blocks"]
+
+
+def baked_pooled(directory: Path) -> bool:
+    """Whether the state was baked for a model of a several-model instance (its KV cache the pool's)."""
+    return bool(json.loads((directory / "kvprofile.json").read_text()).get("pooled", False))
 
 
 @dataclass

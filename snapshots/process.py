@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING, Callable
 
 from runtime.config import Settings
 from runtime.logs import get_logger
-from runtime.spawn_time import ENV as SPAWN_TIME, spawn_time
+from runtime.timeline import process_start_time
 from snapshots import checkpoint, handoff
 from snapshots.checkpoint import SnapshotError
 from snapshots.criu import Criu, find_criu, restore_blockers
 from snapshots.fingerprint import current_fingerprint, resolved_device
 from snapshots.image import IMAGES, SnapshotImage, list_image_files
-from snapshots.integrity import HASH, DigestMismatch, Verification, digest_files
+from snapshots.integrity import HASH, Verification, digest_files
 from snapshots.restore_run import RestoreRun, kind_options
 
 if TYPE_CHECKING:
@@ -172,14 +172,13 @@ def verify_restores(criu: Criu, directory: Path, image: SnapshotImage, hooks: Cr
 
 def thaw(criu: Criu, directory: Path, image: SnapshotImage, message: handoff.Handoff,
          hooks: CriuHooks, verification: Verification | None = None,
-         running: RestoreRun | None = None, materialized: Verification | None = None) -> RestoreRun:
+         running: RestoreRun | None = None) -> RestoreRun:
     """Restore and hand over; returns the restore, done (`wait()`: the running process's pid, our child, and
     the restore's seconds; `lazy_pages`: the daemon still filling its memory in, if LAZY_PAGES).
     VERIFICATION (the image files' digests, being checked since before the restore) must pass before the
     restored process gets its instance. RUNNING: this snapshot's restore, started early by the entry point
-    (snapshots/early_restore.py), else it starts here. MATERIALIZED: the check of the materialized snapshot
-    the restored engine will use, waited for with the image's; its verdict goes with the hand-over when it
-    passed. Raises SnapshotError, HandoffError or DigestMismatch with nothing left running."""
+    (snapshots/early_restore.py), else it starts here. Raises SnapshotError, HandoffError or DigestMismatch
+    with nothing left running."""
     helper = None
     try:
         if hooks.start_restore_helper is not None:
@@ -192,9 +191,7 @@ def thaw(criu: Criu, directory: Path, image: SnapshotImage, message: handoff.Han
     try:
         if running is None:
             message.restore_detail["before_criu_s"] = round(time.time() - message.restore_started, 4)
-            device_start = None if message.verify or image.kind != "process" else (image.snapshot_id,
-                                                                                  message.environ)
-            running = checkpoint.start_restore(criu, directory, hooks.criu_options, device_start)
+            running = checkpoint.start_restore(criu, directory, hooks.criu_options)
         else:  # CRIU has been restoring since the entry point; the bootstrap's imports and checks overlapped it
             message.restore_detail["early_s"] = round(time.time() - running.started, 4)
         try:
@@ -205,10 +202,6 @@ def thaw(criu: Criu, directory: Path, image: SnapshotImage, message: handoff.Han
             raise
         log.info("%s snapshot: CRIU restored pid %d in %.3f s", image.kind, pid, restore_s)
         message.restore_detail["criu_s"] = round(restore_s, 4)
-        if running.device_start is not None:
-            running.device_start.join(0.1)  # done once CRIU has exited, by now
-            if running.device_start.sent_at is not None:  # queued for the restored runtime then
-                message.restore_detail["device_start_s"] = round(running.device_start.sent_at - running.started, 4)
         if running.lazy_pages is not None:
             message.restore_detail["lazy_pages"] = True
         elif running.lazy_refused is not None:
@@ -225,12 +218,6 @@ def thaw(criu: Criu, directory: Path, image: SnapshotImage, message: handoff.Han
         def verified() -> None:
             verification.wait()
             message.verify_span = verification.span()
-            if materialized is not None:
-                try:
-                    materialized.wait()
-                    message.materialized_span = materialized.span()
-                except DigestMismatch:  # the restored process checks them itself, and says why it goes without
-                    pass
 
         checkpoint.hand_over(pid, image.snapshot_id, message, HANDOFF_TIMEOUT_S,
                              after_restore if helper is not None and helper.restores_cuda else None, channel,
@@ -249,9 +236,9 @@ def thaw(criu: Criu, directory: Path, image: SnapshotImage, message: handoff.Han
 def boot_handoff(kind: str, argv: list[str], skipped: dict[str, str],
                  running: RestoreRun | None = None) -> handoff.Handoff:
     """The message for a restore at boot: this process's instance. RUNNING: the restore started early, whose
-    start is the restore's. Its environment, the one the device start sends (snapshots/device_start.py), names
-    the spawn time the restored runtime's timeline counts from."""
-    environ = dict(os.environ) | {SPAWN_TIME: os.environ.get(SPAWN_TIME) or repr(spawn_time())}
-    return handoff.Handoff(environ=environ, cwd=os.getcwd(), spawn_time=float(environ[SPAWN_TIME]),
+    start is the restore's."""
+    spawned = os.environ.get("THAWLLM_SPAWN_TIME")
+    return handoff.Handoff(environ=dict(os.environ), cwd=os.getcwd(),
+                           spawn_time=float(spawned) if spawned else process_start_time(),
                            restore_started=running.started if running is not None else time.time(),
                            restore_path=kind, argv=list(argv), skipped=dict(skipped))

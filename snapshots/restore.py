@@ -89,13 +89,12 @@ def _take_over(settings: Settings, argv: list[str]) -> int | None:
         directory = settings.snapshot_dir / kind
         # the image files are hashed on threads while CRIU restores; the verdict comes before the hand-over
         verification = image.start_verify(directory)
-        materialized = _materialized_verify(settings) if kind == "process" and not several else None
         running = early_restore.take(kind, criu.path, directory / IMAGES, [*CRIU_OPTIONS, *hooks.criu_options])
         try:
             from snapshots.process import boot_handoff, thaw
 
             restored = thaw(criu, directory, image, boot_handoff(kind, argv, _skipped, running), hooks,
-                            verification, running, materialized)
+                            verification, running)
         except DigestMismatch as exc:  # undone by thaw, like any failure; the reason is the file
             log.warning("restore path %s refused, starting fresh: %s", kind, exc)
             _skipped[kind] = str(exc)
@@ -155,10 +154,8 @@ def restore_gpu(settings: Settings, timeline: Timeline) -> "Engine":
 
 def restore_process(settings: Settings, timeline: Timeline) -> "Engine":
     engine = _restored_engine("process", timeline)
-    span = thawed.current.handoff.materialized_span  # checked by the bootstrap, beside the image
-    checked = Verification.passed(span, "materialized snapshot file") if span else None
     try:
-        kv_blocks, graphs = materialized_state(settings, timeline, checked)
+        kv_blocks, graphs = materialized_state(settings, timeline)
     except SkipPath as why:
         log.info("process path without materialized state: %s", why)
         kv_blocks, graphs = None, None
@@ -193,7 +190,7 @@ def materialized_unfit(settings: Settings) -> str | None:
 
 
 def _materialized_dir(settings: Settings, pooled: bool = False) -> Path:
-    from snapshots.materialized_files import DIRNAME, FINGERPRINT, baked_pooled
+    from snapshots.materialized import DIRNAME, FINGERPRINT, baked_pooled
 
     if settings.snapshot_dir is None:
         raise SkipPath("SNAPSHOT_DIR is not set")
@@ -215,7 +212,7 @@ def materialized_state(settings: Settings, timeline: Timeline, verification: Ver
     matches its baked digest (VERIFICATION: that check, started earlier). POOLED: for a model of a
     several-model instance, whose graphs must have been baked against its KV cache in the pool."""
     from snapshots.cudagraph.restore import MaterializedGraphs
-    from snapshots.materialized_files import load_kv_blocks
+    from snapshots.materialized import load_kv_blocks
 
     directory = _materialized_dir(settings, pooled)
     verification = verification or _start_verify(directory)
@@ -231,17 +228,8 @@ def materialized_state(settings: Settings, timeline: Timeline, verification: Ver
     return load_kv_blocks(directory), graphs
 
 
-def _materialized_verify(settings: Settings) -> Verification | None:
-    """The check of the materialized snapshot a process restore's engine will use, started now so that the
-    bootstrap runs it beside the image's; None where there is none to use (the restored process says why)."""
-    try:
-        return _start_verify(_materialized_dir(settings))
-    except Exception:  # noqa: BLE001 - SkipPath and any damage: the restored process finds it out again
-        return None
-
-
 def _start_verify(directory: Path) -> Verification:
-    from snapshots.materialized_files import DIGESTS
+    from snapshots.materialized import DIGESTS
 
     try:
         baked = json.loads((directory / DIGESTS).read_text())

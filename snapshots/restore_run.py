@@ -11,7 +11,7 @@ import time
 
 TYPE_CHECKING = False  # typing itself is not imported at start
 if TYPE_CHECKING:
-    from typing import Mapping, Sequence
+    from typing import Sequence
 
 #: a snapshot's CRIU image files, in its directory, and what they are (snapshots/image.py)
 IMAGES = "images"
@@ -63,11 +63,9 @@ class RestoreRun:
     is made a subreaper before CRIU starts. With LAZY_OPTIONS, `lazy_pages` is the pid of the daemon that
     fills the restored memory in after `wait()`: whoever supervises the restored process watches it. A
     daemon that cannot start (a kernel without userfaultfd) leaves a plain restore, and its reason in
-    `lazy_refused`. DEVICE_START (a process snapshot's id and the boot's environment): the restored runtime
-    is told to start its device as CRIU exits (snapshots/device_start.py)."""
+    `lazy_refused`."""
 
-    def __init__(self, criu_path: str, images: str | os.PathLike, options: Sequence[str],
-                 device_start: tuple[str, Mapping[str, str]] | None = None) -> None:
+    def __init__(self, criu_path: str, images: str | os.PathLike, options: Sequence[str]) -> None:
         set_subreaper()
         self.criu_path, self.images, self.options = criu_path, os.fspath(images), tuple(options)
         self.workdir = _private_dir()
@@ -77,7 +75,6 @@ class RestoreRun:
         self._outcome: tuple[int, float] | BaseException | None = None
         self.lazy_pages: int | None = None
         self.lazy_refused: str | None = None
-        self.device_start = None  # a snapshots.device_start.Sender
         self.started = time.time()
         try:
             restore = [o for o in self.options if o not in LAZY_OPTIONS]
@@ -87,10 +84,6 @@ class RestoreRun:
                 restore += [*LAZY_OPTIONS, "-W", self.workdir]
             self._pid = self._spawn("restore", ["-D", self.images, "-d", "--pidfile", self._pidfile, *restore,
                                                 "-o", self._log, "-v4"])
-            if device_start is not None:
-                from snapshots.device_start import Sender
-
-                self.device_start = Sender(self._pid, *device_start)
         except BaseException:
             self.stop_lazy_pages()
             _remove(self.workdir)

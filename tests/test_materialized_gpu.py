@@ -9,8 +9,7 @@ import pytest
 
 from runtime.engine import EngineConfig, SamplingParams
 from runtime.launch import build_engine
-from snapshots.materialized import bake_materialized
-from snapshots.materialized_files import load_kv_blocks
+from snapshots.materialized import bake_materialized, load_kv_blocks
 from snapshots.cudagraph.probe import probe_graphs
 from snapshots.cudagraph.restore import MaterializedGraphs
 

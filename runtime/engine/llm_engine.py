@@ -166,20 +166,19 @@ class Engine:
                               f"{model_config.max_position_embeddings} positions")
         return engine
 
-    def init_device(self, ahead: bool = False, before_handover: bool = False) -> None:
+    def init_device(self, ahead: bool = False) -> None:
         """Initialise CUDA (or set the CPU's threads), once. AHEAD: called on a thread of its own before
-        `start`, which then only waits for it (a restored process starts it the moment it resumes; BEFORE_HANDOVER:
-        told to by the bootstrap as CRIU exited, snapshots/device_start.py)."""
+        `start`, which then only waits for it (a restored process starts it the moment it resumes)."""
         with self._device_lock:
             if self._device_span is not None:
                 return
             started = time.time()
             device = torch.device(self.config.device)
-            detail: dict = {"before_handover": True} if before_handover else {}
+            detail: dict = {}
             if device.type == "cuda":
                 if ahead:  # the context's creation without the GIL: the thread that called this goes on
                     create_primary_context(device.index or 0)
-                    detail |= {"ahead": True, "context_s": round(time.time() - started, 4)}
+                    detail = {"ahead": True, "context_s": round(time.time() - started, 4)}
                 use_device(device)
                 torch.cuda.init()
                 torch.empty(1, device=device)

@@ -11,7 +11,7 @@ import httpx
 from runtime.config import Settings
 from runtime.engine.model_runner import KVProfile
 from snapshots.fingerprint import current_fingerprint, gpu_identity
-from snapshots.materialized_files import DIRNAME, FINGERPRINT, write_digests
+from snapshots.materialized import DIRNAME, FINGERPRINT, write_digests
 from tests.server.conftest import start_server
 
 ENV = {"DEVICE": "cpu", "MAX_MODEL_LEN": "2048", "MAX_NUM_SEQS": "16"}
