@@ -45,6 +45,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         early_restore.abandon()
         return _config_error(exc, lambda_api)
     setup_logging(settings.log_level)
+    from runtime.weights import prefetch
+
+    prefetch.log_start()
     several = len(settings.models) > 1
     if settings.restore in ("auto", "gpu", "process"):
         # A CRIU snapshot that fits is restored as a child, before listening: it listens and serves, and

@@ -268,6 +268,11 @@ class Settings:
         "EARLY_RESTORE", _bool, True,
         "faas-bootstrap starts restoring the CRIU snapshot it would restore first before importing the rest of "
         "the runtime, whose checks then take that restore over or undo it (0: CRIU starts after the checks)")
+    prefetch_weights: bool = _setting(
+        "PREFETCH_WEIGHTS", _bool, True,
+        "faas-bootstrap reads a local layout's weight files into the page cache from its first instruction, "
+        "when they are not there and fit in the memory available, so that whoever streams them finds them there "
+        "(0: only whoever streams them reads them)")
     lazy_pages: bool = _setting(
         "LAZY_PAGES", _bool, False,
         "process snapshots: the restored runtime runs before its memory is all back; a criu lazy-pages daemon "

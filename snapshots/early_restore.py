@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 
+from runtime.setting_text import setting, true
 from runtime.start_paths import read_restore_order
 from snapshots.restore_run import (CRIU_KINDS, CRIU_OPTIONS, IMAGES, INSTALLED_CRIU, MANIFEST, RestoreRun,
                                    image_file_problem, kind_options)
@@ -45,7 +46,7 @@ def start(argv: Sequence[str], environ: Mapping[str, str] = os.environ) -> str |
             files = json.load(f)["files"]
         if image_file_problem(os.path.join(snapshot_dir, kind, IMAGES), files) is not None:
             return None  # the bootstrap says why; CRIU can hang on a truncated image
-        lazy = _true(setting(argv, environ, "LAZY_PAGES"), False)
+        lazy = true(setting(argv, environ, "LAZY_PAGES"), False)
         _running = RestoreRun(criu, os.path.join(snapshot_dir, kind, IMAGES),
                               (*CRIU_OPTIONS, *kind_options(kind, lazy)))
         _kind = kind
@@ -57,7 +58,7 @@ def start(argv: Sequence[str], environ: Mapping[str, str] = os.environ) -> str |
 def first_kind(argv: Sequence[str], environ: Mapping[str, str]) -> str | None:
     """The CRIU snapshot the bootstrap would try first: RESTORE's, or under auto the first CRIU path of the
     order faas-build measured (none if materialized comes first); None where no CRIU restore would start."""
-    if not _true(setting(argv, environ, "EARLY_RESTORE"), True):
+    if not true(setting(argv, environ, "EARLY_RESTORE"), True):
         return None
     restore = setting(argv, environ, "RESTORE") or "auto"
     snapshot_dir = os.path.expanduser(setting(argv, environ, "SNAPSHOT_DIR") or "")
@@ -76,28 +77,6 @@ def first_kind(argv: Sequence[str], environ: Mapping[str, str]) -> str | None:
         if os.path.isdir(os.path.join(snapshot_dir, kind, IMAGES)):
             return kind
     return None
-
-
-def setting(argv: Sequence[str], environ: Mapping[str, str], env: str) -> str | None:
-    """A setting's text as runtime/config.py reads it: the environment, then its --flag (last one wins)."""
-    flag = "--" + env.lower().replace("_", "-")
-    value = environ.get(env)
-    for i, arg in enumerate(argv):
-        if arg == flag and i + 1 < len(argv):
-            value = argv[i + 1]
-        elif arg.startswith(flag + "="):
-            value = arg[len(flag) + 1:]
-    return value
-
-
-def _true(text: str | None, default: bool) -> bool:
-    """A boolean setting's text as runtime/config.py reads it; DEFAULT when unset or not a boolean (the
-    bootstrap's parse then reports it)."""
-    if text is None:
-        return default
-    value = text.strip().lower()
-    return True if value in ("1", "true", "yes", "on") else False if value in ("0", "false", "no", "off", "") \
-        else default
 
 
 def take(kind: str, criu_path: str, images: str | os.PathLike, options: Sequence[str]) -> RestoreRun | None:

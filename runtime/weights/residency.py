@@ -34,7 +34,7 @@ def _syscall():
     return libc.syscall
 
 
-def cached_fraction(paths: list[Path]) -> float | None:
+def cached_fraction(paths: list[str | os.PathLike]) -> float | None:
     """The share of the files' pages in the page cache (0.0-1.0), or None where the kernel cannot say (or a
     file cannot be opened: whoever reads them next will say why)."""
     page = os.sysconf("SC_PAGE_SIZE")

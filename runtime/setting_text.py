@@ -1,0 +1,30 @@
+"""Settings read as text before runtime/config.py is imported: the entry point (runtime/entry.py) acts on a
+few of them before the bootstrap's imports, and reads them as the bootstrap's parse will. Imports nothing."""
+
+from __future__ import annotations
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from typing import Mapping, Sequence
+
+
+def setting(argv: Sequence[str], environ: Mapping[str, str], env: str) -> str | None:
+    """A setting's text as runtime/config.py reads it: the environment, then its --flag (last one wins)."""
+    flag = "--" + env.lower().replace("_", "-")
+    value = environ.get(env)
+    for i, arg in enumerate(argv):
+        if arg == flag and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg[len(flag) + 1:]
+    return value
+
+
+def true(text: str | None, default: bool) -> bool:
+    """A boolean setting's text as runtime/config.py reads it; DEFAULT when unset or not a boolean (the
+    bootstrap's parse then reports it)."""
+    if text is None:
+        return default
+    value = text.strip().lower()
+    return True if value in ("1", "true", "yes", "on") else False if value in ("0", "false", "no", "off", "") \
+        else default

@@ -1,0 +1,192 @@
+"""The weight files read into the page cache from the entry point's first instruction, when they are not
+there (runtime/entry.py; PREFETCH_WEIGHTS).
+
+From cold disk the weights are most of what a start reads (15 GiB for Llama-3-8B), yet whoever streams them
+starts late: a process restore's weight helper once its own CUDA context exists, a cold start once torch is
+imported (seconds). Read into the page cache at once, READERS threads at a time in the layout's order (the
+order every stream reads them in), they are there when the stream comes, or being read: the kernel then
+waits for the same read rather than starting another. Nothing waits for the prefetch itself.
+
+It is left out where it cannot help: the weights in the page cache already (runtime/weights/residency.py, or
+a kernel that cannot say), more of them than the memory available (they would evict each other), a model
+that is not a local faas-build layout.
+
+Imports: os, json and threading at start; the page-cache check's own (ctypes) once the entry point has
+started CRIU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+#: threads reading at once: the disk's parallel read rate on the GPU machine peaks at 8-16
+READERS = 8
+#: what one thread reads before it takes the next piece, and how much at a time
+PIECE_BYTES = 64 << 20
+READ_BYTES = 8 << 20
+#: the share of the memory available the weights may take
+MEMORY_SHARE = 0.8
+#: a layout at least this much in the page cache is not prefetched
+CACHED_ENOUGH = 0.95
+
+
+class Prefetch:
+    """READERS threads reading FILES ((path, size), in order) into the page cache, piece by piece."""
+
+    def __init__(self, files: list[tuple[str, int]], readers: int = READERS) -> None:
+        self.files, self.readers = files, readers
+        self.bytes = sum(size for _, size in files)
+        self.started = time.time()
+        self.ended: float | None = None
+        self.error: str | None = None
+        self._pieces = iter([(path, offset, min(PIECE_BYTES, size - offset))
+                             for path, size in files for offset in range(0, size, PIECE_BYTES)])
+        self._lock = threading.Lock()
+        self._running = readers
+        self._announced = False  # logging is set up after the prefetch starts
+        self._threads = [threading.Thread(target=self._read, name="weights-prefetch", daemon=True)
+                         for _ in range(readers)]
+        for thread in self._threads:
+            thread.start()
+
+    def _read(self) -> None:
+        buffer = bytearray(READ_BYTES)
+        fds: dict[str, int] = {}
+        try:
+            while True:
+                with self._lock:
+                    piece = next(self._pieces, None)
+                if piece is None:
+                    return
+                path, offset, length = piece
+                if path not in fds:
+                    fds[path] = os.open(path, os.O_RDONLY)
+                end = offset + length
+                while offset < end:
+                    n = os.preadv(fds[path], [memoryview(buffer)[:min(READ_BYTES, end - offset)]], offset)
+                    if n <= 0:
+                        break
+                    offset += n
+        except OSError as exc:  # whoever streams the weights next reads them, and says what is wrong
+            self.error = str(exc)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+            with self._lock:
+                self._running -= 1
+                if self._running == 0:
+                    self.ended = time.time()
+                report = self._running == 0 and self._announced
+            if report:
+                self.report()
+
+    def announce(self) -> None:
+        """Log that it runs, once logging is set up; and how it went, now if it is over, else when it is."""
+        from runtime.logs import get_logger
+
+        get_logger("weights.prefetch").info("weights prefetch: reading %.2f GiB into the page cache with %d threads",
+                                            self.bytes / 2**30, self.readers)
+        with self._lock:
+            self._announced = True
+            over = self.ended is not None
+        if over:
+            self.report()
+
+    def report(self) -> None:
+        from runtime.logs import get_logger  # imported by the bootstrap long before a prefetch ends
+
+        seconds = self.ended - self.started
+        get_logger("weights.prefetch").info(
+            "weights prefetch: %.2f GiB in the page cache %.2f s after it began (%.2f GiB/s)%s", self.bytes / 2**30,
+            seconds, self.bytes / 2**30 / max(seconds, 1e-6), f"; stopped: {self.error}" if self.error else "")
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Whether every thread has finished (within TIMEOUT)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return self.ended is not None
+
+
+def layout_files(model: str) -> list[tuple[str, int]] | None:
+    """The weight files of MODEL, a faas-build layout directory, from its manifest; None if it is not one."""
+    if not model or "://" in model:
+        return None
+    directory = os.path.expanduser(model)
+    try:
+        with open(os.path.join(directory, "manifest.json")) as f:
+            entries = json.load(f)["files"]
+        return [(os.path.join(directory, e["name"]), int(e["size"])) for e in entries]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def why_not(files: list[tuple[str, int]]) -> str | None:
+    """Why FILES are not prefetched, or None when they should be."""
+    total = sum(size for _, size in files)
+    available = memory_available()
+    if available is not None and total > MEMORY_SHARE * available:
+        return f"{total / 2**30:.1f} GiB of weights, {available / 2**30:.1f} GiB of memory available"
+    from runtime.weights.residency import cached_fraction
+
+    cached = cached_fraction([path for path, _ in files])
+    if cached is None:
+        return "the kernel cannot say what is in the page cache"
+    if cached >= CACHED_ENOUGH:
+        return f"{100 * cached:.0f}% of the weights in the page cache"
+    return None
+
+
+def memory_available() -> int | None:
+    """Bytes of memory this process may still fill: the kernel's MemAvailable, and below its cgroup's limit
+    (cgroup v2), whichever is less; None if neither can be read."""
+    found = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    found.append(int(line.split()[1]) * 1024)
+                    break
+    except (OSError, ValueError):
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        if limit != "max":
+            with open("/sys/fs/cgroup/memory.current") as f:
+                found.append(int(limit) - int(f.read()))
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
+
+
+#: this process's prefetch, once the entry point started one, and why it did not when it did not
+current: Prefetch | None = None
+skipped: str | None = None
+
+
+def start(model: str | None) -> Prefetch | None:
+    """Start prefetching MODEL's weights (`current`), else say why not (`skipped`). Never raises."""
+    global current, skipped
+    current = skipped = None
+    try:
+        files = layout_files(model or "")
+        skipped = "not a local faas-build layout" if files is None else why_not(files)
+        if skipped is None:
+            current = Prefetch(files)
+    except Exception as exc:  # noqa: BLE001 - the weights are read by whoever streams them, as without it
+        skipped = f"{type(exc).__name__}: {exc}"
+    return current
+
+
+def log_start() -> None:
+    """The boot log's line for what the entry point did (nothing where it was not asked to prefetch)."""
+    from runtime.logs import get_logger
+
+    if current is not None:
+        current.announce()
+    elif skipped is not None:
+        get_logger("weights.prefetch").info("weights prefetch: not needed or not possible: %s", skipped)
