@@ -84,8 +84,9 @@ setup() {
     local purelib
     purelib=$(/tmp/venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
     # plain path lines: a .pth file's directories are added to sys.path, their own .pth files are not run
-    "$PY" -c 'import site; print("\n".join(["/tmp/site", *site.getsitepackages()]))' > "$purelib/machine.pth"
-    /tmp/venv/bin/python -c 'import torch, triton, transformers, safetensors, tokenizers' \
+    "$PY" -c 'import site; print("\n".join(["/tmp/site", site.getusersitepackages(), *site.getsitepackages()]))' \
+        > "$purelib/machine.pth"
+    /tmp/venv/bin/python -c 'import torch, triton, transformers, safetensors, tokenizers, jsonschema' \
         || { say "/tmp/venv cannot import the machine's packages: run the steps with the machine's Python"; \
              rm -rf /tmp/venv; }
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
