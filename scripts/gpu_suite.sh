@@ -7,11 +7,7 @@
 #
 # Steps:
 #   setup               wheels from $WHEELS (default .whl, if present) into /tmp/site, criu from $DEBS
-#                       (default .debs), the loader's native reader compiled in place, bytecode written, and
-#                       /tmp/venv: a venv that sees the machine's packages and /tmp/site as plain path entries,
-#                       as the image's venv sees its own packages, without running the start-up hooks (.pth
-#                       files) the machine's Python installation has and the image does not; later steps run
-#                       in it with PYTHON=/tmp/venv/bin/python
+#                       (default .debs), the loader's native reader compiled in place, bytecode written
 #   tests               every GPU-marked test (or those in $TEST_FILES); pytest's -rA output and junit XML
 #                       into $RESULTS
 #   model:SHAPE         a random-weight model directory of SHAPE in $MODELS (seed 0)
@@ -78,17 +74,6 @@ setup() {
     # (PYTHONDONTWRITEBYTECODE, set in the image, stops only the writing)
     say "compiling bytecode"
     "$PY" -m compileall -q -j 0 runtime snapshots handlers scripts $([ -d /tmp/site ] && echo /tmp/site) >/dev/null
-    say "making /tmp/venv"
-    rm -rf /tmp/venv
-    "$PY" -m venv --without-pip /tmp/venv
-    local purelib
-    purelib=$(/tmp/venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-    # plain path lines: a .pth file's directories are added to sys.path, their own .pth files are not run
-    "$PY" -c 'import site; print("\n".join(["/tmp/site", site.getusersitepackages(), *site.getsitepackages()]))' \
-        > "$purelib/machine.pth"
-    /tmp/venv/bin/python -c 'import torch, triton, transformers, safetensors, tokenizers, jsonschema' \
-        || { say "/tmp/venv cannot import the machine's packages: run the steps with the machine's Python"; \
-             rm -rf /tmp/venv; }
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 }
 
