@@ -183,10 +183,11 @@ def start(model: str | None) -> Prefetch | None:
 
 
 def log_start() -> None:
-    """The boot log's line for what the entry point did (nothing where it was not asked to prefetch)."""
+    """The boot log's line for what the entry point did: at info when it prefetches, at debug why it does not
+    (nothing where it was not asked to)."""
     from runtime.logs import get_logger
 
     if current is not None:
         current.announce()
     elif skipped is not None:
-        get_logger("weights.prefetch").info("weights prefetch: not needed or not possible: %s", skipped)
+        get_logger("weights.prefetch").debug("weights prefetch: not needed or not possible: %s", skipped)
