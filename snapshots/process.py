@@ -59,11 +59,6 @@ def bake_process_snapshot(settings: Settings, model_dir: Path | None, snapshot_d
     return bake_snapshot("process", settings, model_dir, snapshot_dir, CriuHooks(), pid_namespace)
 
 
-#: a process restore streams its weights through a helper unless at least this share of them is in the page
-#: cache (or the kernel cannot say)
-CACHED_ENOUGH = 0.95
-
-
 def process_hooks(weights_during_restore: str, lazy_pages: bool = False) -> CriuHooks:
     """At boot, a process snapshot of a CUDA engine gets its weights from a helper that streams them while
     CRIU restores (WEIGHTS_DURING_RESTORE; snapshots/weights_during_restore.py): with `auto`, when they are not
@@ -84,7 +79,7 @@ def process_hooks(weights_during_restore: str, lazy_pages: bool = False) -> Criu
             log.info("process snapshot of %d models: no helper streams weights during the restore (each model's "
                      "weights stream into its pool when it is made resident)", len(image.model_dirs))
             return None
-        from runtime.weights.residency import cached_fraction, files_in
+        from runtime.weights.residency import CACHED_ENOUGH, cached_fraction, files_in
 
         cached = cached_fraction(files_in(Path(image.model_dir)))
         if weights_during_restore == "auto" and cached is not None and cached >= CACHED_ENOUGH:

@@ -29,8 +29,6 @@ PIECE_BYTES = 64 << 20
 READ_BYTES = 8 << 20
 #: the share of the memory available the weights may take
 MEMORY_SHARE = 0.8
-#: a layout at least this much in the page cache is not prefetched
-CACHED_ENOUGH = 0.95
 
 
 class Prefetch:
@@ -130,7 +128,7 @@ def why_not(files: list[tuple[str, int]]) -> str | None:
     available = memory_available()
     if available is not None and total > MEMORY_SHARE * available:
         return f"{total / 2**30:.1f} GiB of weights, {available / 2**30:.1f} GiB of memory available"
-    from runtime.weights.residency import cached_fraction
+    from runtime.weights.residency import CACHED_ENOUGH, cached_fraction
 
     cached = cached_fraction([path for path, _ in files])
     if cached is None:

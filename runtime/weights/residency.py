@@ -14,6 +14,10 @@ import os
 from pathlib import Path
 
 SYS_CACHESTAT = 451  # the same number on x86_64 and arm64
+#: a layout at least this much in the page cache counts as cached: a process restore's runtime then loads it
+#: itself rather than through a helper (snapshots/process.py), and the entry point does not prefetch it
+#: (runtime/weights/prefetch.py)
+CACHED_ENOUGH = 0.95
 WINDOWS = 64
 WINDOW_BYTES = 1 << 20
 
