@@ -205,15 +205,18 @@ class Engine:
         device = torch.device(self.config.device)
         if device.type == "cuda":  # current per thread, and this one may not be the one that initialised it
             use_device(device if device.index is not None else torch.device("cuda", torch.cuda.current_device()))
+        prepared = time.time()
         runner = ModelRunner(self.model, self.model_config, self.config, self.max_model_len, memory)
         self.runner = runner
         buffer, handed_over = self._weight_buffer(runner, releasable_memory, handover)
+        # from the device to the KV cache: the runner, the weight buffer and the parameters' views of it
+        before_kv = {"weight_buffer_s": round(time.time() - prepared, 4)}
         graphs = bool(runner.graph_batch_sizes) and (capture_graphs or graph_restorer is not None)
         materialized = kv_blocks is not None
         graphs_first = materialized and graphs and graph_restorer is not None and graph_restorer.before_weights
         if materialized:  # sized already: allocated before the weight readers pin their buffers and fill the
             # copy engines, which stretched this 0.02-0.03 s stage to 0.2-0.5 s when the two overlapped (H100)
-            kv_blocks = self._allocate_kv(runner, kv_blocks, releasable_memory)
+            kv_blocks = self._allocate_kv(runner, kv_blocks, releasable_memory, before_kv)
         if graphs_first:
             self._prepare_graphs(runner, graph_restorer)
         beside = materialized and graphs and not graphs_first  # no weight values needed: beside the stream
@@ -232,7 +235,7 @@ class Engine:
                     weights_stage.detail.update(packed)
                     runner.packed_steps = packed["packed_layers"] > 0 and packed["float_layers"] == 0
         if not materialized:
-            kv_blocks = self._allocate_kv(runner, kv_blocks, releasable_memory)
+            kv_blocks = self._allocate_kv(runner, kv_blocks, releasable_memory, before_kv)
             if graphs:
                 self._prepare_graphs(runner, graph_restorer)
         self.blocks = BlockManager(kv_blocks, self.config.block_size, reserved=runner.reserved_blocks,
@@ -266,10 +269,11 @@ class Engine:
                 return buffer, (started, finished, detail)
         return runner.allocate_weights(self.plan, releasable), None
 
-    def _allocate_kv(self, runner: ModelRunner, kv_blocks: int | None, releasable: bool) -> int:
+    def _allocate_kv(self, runner: ModelRunner, kv_blocks: int | None, releasable: bool,
+                     detail: dict | None = None) -> int:
         """The KV cache: `config.num_kv_blocks` if set, else `kv_blocks` (materialised), else profiled on
-        cuda or sized by memory on cpu. Returns its blocks."""
-        with self.timeline.stage(stages.KV_CACHE, materialized=kv_blocks is not None) as kv_stage:
+        cuda or sized by memory on cpu. Returns its blocks. DETAIL: more for the stage's detail."""
+        with self.timeline.stage(stages.KV_CACHE, materialized=kv_blocks is not None, **(detail or {})) as kv_stage:
             runner.allocate_static()
             if self.config.num_kv_blocks:
                 kv_blocks = self.config.num_kv_blocks
