@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from runtime.setting_text import FALSE_WORDS, TRUE_WORDS
+
 
 class ConfigError(ValueError):
     """A setting is missing, unknown or has an invalid value. The message is one line."""
@@ -82,9 +84,9 @@ def _choice(*allowed: str) -> Callable[[str], str]:
 
 def _bool(text: str) -> bool:
     value = text.strip().lower()
-    if value in ("1", "true", "yes", "on"):
+    if value in TRUE_WORDS:
         return True
-    if value in ("0", "false", "no", "off", ""):
+    if value in FALSE_WORDS:
         return False
     raise ValueError("must be true or false")
 

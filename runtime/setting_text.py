@@ -7,6 +7,10 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Mapping, Sequence
 
+#: the words a boolean setting is read as (runtime/config.py parses them the same way)
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off", "")
+
 
 def setting(argv: Sequence[str], environ: Mapping[str, str], env: str) -> str | None:
     """A setting's text as runtime/config.py reads it: the environment, then its --flag (last one wins)."""
@@ -26,5 +30,4 @@ def true(text: str | None, default: bool) -> bool:
     if text is None:
         return default
     value = text.strip().lower()
-    return True if value in ("1", "true", "yes", "on") else False if value in ("0", "false", "no", "off", "") \
-        else default
+    return True if value in TRUE_WORDS else False if value in FALSE_WORDS else default

@@ -11,7 +11,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from snapshots.restore_run import INSTALLED_CRIU
+from snapshots.restore_run import CRIU_ENV, INSTALLED_CRIU
 
 #: where scripts/install_criu.sh puts its wrapper; $THAWLLM_CRIU first, `criu` on PATH last
 INSTALLED = Path(INSTALLED_CRIU)
@@ -47,7 +47,7 @@ class Criu:
 
 def find_criu() -> Criu | None:
     """The first criu that runs and reports a version: $THAWLLM_CRIU, the installed wrapper, PATH."""
-    for candidate in (os.environ.get("THAWLLM_CRIU"), str(INSTALLED), shutil.which("criu")):
+    for candidate in (os.environ.get(CRIU_ENV), str(INSTALLED), shutil.which("criu")):
         if candidate and os.access(candidate, os.X_OK):
             version = (recorded_version(INSTALLED_VERSION, Path(candidate)) if candidate == str(INSTALLED)
                        else None) or criu_version(candidate)

@@ -20,8 +20,8 @@ import os
 
 from runtime.setting_text import setting, true
 from runtime.start_paths import read_restore_order
-from snapshots.restore_run import (CRIU_KINDS, CRIU_OPTIONS, IMAGES, INSTALLED_CRIU, MANIFEST, RestoreRun,
-                                   image_file_problem, kind_options)
+from snapshots.restore_run import (CRIU_ENV, CRIU_KINDS, CRIU_OPTIONS, IMAGES, INSTALLED_CRIU, MANIFEST,
+                                   RestoreRun, image_file_problem, kind_options)
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -38,7 +38,7 @@ def start(argv: Sequence[str], environ: Mapping[str, str] = os.environ) -> str |
     global _running, _kind
     try:
         kind = first_kind(argv, environ)
-        criu = environ.get("THAWLLM_CRIU") or INSTALLED_CRIU
+        criu = environ.get(CRIU_ENV) or INSTALLED_CRIU
         if kind is None or not os.access(criu, os.X_OK):
             return None
         snapshot_dir = os.path.expanduser(setting(argv, environ, "SNAPSHOT_DIR"))

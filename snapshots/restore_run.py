@@ -16,8 +16,9 @@ if TYPE_CHECKING:
 #: a snapshot's CRIU image files, in its directory, and what they are (snapshots/image.py)
 IMAGES = "images"
 MANIFEST = "manifest.json"
-#: where scripts/install_criu.sh puts its wrapper
+#: where scripts/install_criu.sh puts its wrapper, and the variable that names another criu to use first
 INSTALLED_CRIU = "/opt/thawllm-criu/bin/criu"
+CRIU_ENV = "THAWLLM_CRIU"
 #: options of every dump and restore: the handoff socket is ours; deleted-but-open files are linked back
 CRIU_OPTIONS = ("--link-remap",)
 #: a gpu snapshot's process keeps a unix socket to the driver's side; CRIU must let it dangle

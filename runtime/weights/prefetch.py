@@ -35,7 +35,7 @@ class Prefetch:
     """READERS threads reading FILES ((path, size), in order) into the page cache, piece by piece."""
 
     def __init__(self, files: list[tuple[str, int]], readers: int = READERS) -> None:
-        self.files, self.readers = files, readers
+        self.readers = readers
         self.bytes = sum(size for _, size in files)
         self.started = time.time()
         self.ended: float | None = None
