@@ -93,7 +93,7 @@ class Sampler:
             return SampledBatch(tokens, seqs)
         chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
         most = max(s.params.logprobs or 0 for s in seqs)
-        return SampledBatch(tokens, seqs, chosen, logprobs.topk(most, dim=-1) if most else None)
+        return SampledBatch(tokens, seqs, chosen, _most_likely(logprobs, most) if most else None)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         temps = torch.tensor([s.params.temperature or 1.0 for s in seqs], device=logits.device)
@@ -121,6 +121,17 @@ class Sampler:
             gen = torch.Generator(device=self.device).manual_seed(seq.params.seed)
             self._request_generators[seq.request_id] = gen
         return gen
+
+
+def _most_likely(logprobs: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The N largest log-probabilities of each row and their token ids, largest first. One is a max, not a
+    top-k: on the GPU, top-k's kernel modules are large, and a process's first request loads them (on the
+    H100, asking for the top log-probabilities cost a first request 44 ms, the chosen token's alone 12 ms:
+    runtime/engine/warm_up.py)."""
+    if n == 1:
+        values, ids = logprobs.max(dim=-1, keepdim=True)
+        return values, ids
+    return logprobs.topk(n, dim=-1)
 
 
 def _plain_greedy(params: SamplingParams) -> bool:
