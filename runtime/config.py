@@ -275,11 +275,6 @@ class Settings:
         "faas-bootstrap reads a local layout's weight files into the page cache from its first instruction, "
         "when they are not there and fit in the memory available, so that whoever streams them finds them there "
         "(0: only whoever streams them reads them)")
-    preload_kernels: bool = _setting(
-        "PRELOAD_KERNELS", _bool, True,
-        "starts with a baked KV size (process and materialized paths, a several-model pool's activations) on "
-        "cuda: while the weights stream in, load the kernels a first request's prefill and sampling launch "
-        "(0: the first request loads them)")
     lazy_pages: bool = _setting(
         "LAZY_PAGES", _bool, False,
         "process snapshots: the restored runtime runs before its memory is all back; a criu lazy-pages daemon "

@@ -111,8 +111,7 @@ def start_models(settings: Settings, timeline: Timeline,
     try:
         pools = {d: ModelPool(torch.device(engine_device(d)), device_budget(
             torch.device(engine_device(d)), settings.gpu_memory_utilization, settings.pool_memory_gb),
-            settings.pool_eviction, proactive_kernels=settings.pool_kernels == "beside",
-            preload_kernels=settings.preload_kernels) for d in devices}
+            settings.pool_eviction, proactive_kernels=settings.pool_kernels == "beside") for d in devices}
     except PoolError as exc:
         raise ConfigError(str(exc)) from None
     if built is None:

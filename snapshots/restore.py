@@ -161,8 +161,7 @@ def restore_process(settings: Settings, timeline: Timeline) -> "Engine":
         kv_blocks, graphs = None, None
     handover, thawed.current.handover = thawed.current.handover, None
     try:
-        engine.start(kv_blocks=kv_blocks, graph_restorer=graphs, handover=handover,
-                     preload_kernels=settings.preload_kernels)
+        engine.start(kv_blocks=kv_blocks, graph_restorer=graphs, handover=handover)
     finally:
         if handover is not None:
             handover.close()  # the helper frees its memory at once, whether or not it was taken
@@ -175,7 +174,7 @@ def restore_materialized(settings: Settings, timeline: Timeline, build: Callable
     verification = _start_verify(_materialized_dir(settings))
     engine = build()
     kv_blocks, graphs = materialized_state(settings, timeline, verification)
-    engine.start(kv_blocks=kv_blocks, graph_restorer=graphs, preload_kernels=settings.preload_kernels)
+    engine.start(kv_blocks=kv_blocks, graph_restorer=graphs)
     return engine
 
 

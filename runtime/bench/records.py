@@ -18,11 +18,9 @@ ALL_MODES = SERVER_MODES + (BASELINE_MODE,)
 #: streams them during it whether or not they are in the page cache; process-unprimed starts no driver primer;
 #: gpu-late and process-late start CRIU after the bootstrap's imports and checks, not before them;
 #: process-lazy hands over before the memory is back (LAZY_PAGES=1); cold-unprefetched and process-unprefetched
-#: leave the weights to whoever streams them (PREFETCH_WEIGHTS=0); process-unpreloaded leaves a first request's
-#: kernels to it (PRELOAD_KERNELS=0)
+#: leave the weights to whoever streams them (PREFETCH_WEIGHTS=0)
 VARIANTS = {"process-lazy": ("process", {"LAZY_PAGES": "1"}),
             "process-unprefetched": ("process", {"PREFETCH_WEIGHTS": "0"}),
-            "process-unpreloaded": ("process", {"PRELOAD_KERNELS": "0"}),
             "cold-unprefetched": ("cold", {"PREFETCH_WEIGHTS": "0"}),
             "gpu-late": ("gpu", {"EARLY_RESTORE": "0"}),
             "process-late": ("process", {"EARLY_RESTORE": "0"}),

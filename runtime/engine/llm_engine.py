@@ -34,7 +34,6 @@ from runtime.engine.model_config import ModelConfig
 from runtime.engine.model_runner import KVProfile, ModelRunner, PendingTokens
 from runtime.engine.models.llama import build_on_meta
 from runtime.engine.outputs import EngineStats, RequestCut, RequestOutput, TokenLogprob
-from runtime.engine.preload import Preload
 from runtime.engine.sampler import SampledBatch, SampledToken, Sampler
 from runtime.engine.sampling_params import InvalidParams, SamplingParams
 from runtime.engine.scheduler import ScheduledBatch, Scheduler
@@ -189,17 +188,14 @@ class Engine:
 
     def start(self, kv_blocks: int | None = None, graph_restorer: GraphRestorer | None = None,
               capture_graphs: bool = True, releasable_memory: bool = False,
-              memory: MemoryProvider | None = None, handover: WeightHandover | None = None,
-              preload_kernels: bool = True) -> None:
+              memory: MemoryProvider | None = None, handover: WeightHandover | None = None) -> None:
         """Device phase. With `kv_blocks` and `graph_restorer` (materialised state) the KV profile and the
         graph capture are skipped: the KV cache, and the graphs when the restorer says so, are set up before the
         weights stream in (else beside them); without them, like vLLM: load, then profile, then capture.
         `capture_graphs=False` leaves the graphs to the caller (faas-build materialises them).
         `releasable_memory` puts the weights and the KV cache where `release_device_memory` can free them.
         `memory`: where the weights and the KV cache live when a multi-model pool owns them (runtime/pool).
-        `handover`: the weights are already on the device, in memory another process streamed them into.
-        `preload_kernels`: while the weights stream in after the KV cache and the graphs, load the kernels a
-        first request launches (runtime/engine/preload.py)."""
+        `handover`: the weights are already on the device, in memory another process streamed them into."""
         t = self.timeline
         if graph_restorer is not None:
             graph_restorer.read_ahead()  # while CUDA initialises, which leaves the GIL free most of the time
@@ -224,27 +220,16 @@ class Engine:
         if graphs_first:
             self._prepare_graphs(runner, graph_restorer)
         beside = materialized and graphs and not graphs_first  # no weight values needed: beside the stream
-        self.sampler = Sampler(device, self.config.seed, self.tokenizer.eos_token_ids)
         if handed_over is not None:
             t.record(stages.WEIGHTS, *handed_over[:2], **handed_over[2])
             if beside:
                 self._prepare_graphs(runner, graph_restorer)
         else:
-            # the host waits for the stream: a first request's kernels can load meanwhile, once the KV cache is
-            # there for their keys and values and nothing else runs beside the stream
-            preload = None
             with t.stage(stages.WEIGHTS, bytes=self.plan.total_bytes) as weights_stage:  # ended even if it fails
-                try:
-                    load = self._load_weights(self.plan, buffer)
-                    if preload_kernels and device.type == "cuda" and materialized and not beside:
-                        longest = min(self.max_model_len, self.config.max_num_batched_tokens)
-                        preload = Preload(runner, self.sampler, longest).start()
-                    if beside:
-                        self._prepare_graphs(runner, graph_restorer)
-                    load.wait()
-                finally:
-                    if preload is not None:
-                        weights_stage.detail["preload"] = preload.stop()
+                load = self._load_weights(self.plan, buffer)
+                if beside:
+                    self._prepare_graphs(runner, graph_restorer)
+                load.wait()
                 if device.type == "cpu" and self.config.cpu_packed_weights:
                     packed = pack_linears(self.model)
                     weights_stage.detail.update(packed)
@@ -257,6 +242,7 @@ class Engine:
                                    capacity=memory.kv_capacity() if memory is not None else None,
                                    prefix_caching=self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        self.sampler = Sampler(device, self.config.seed, self.tokenizer.eos_token_ids)
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
         self.ready = True

@@ -284,14 +284,6 @@ class ModelRunner:
         hidden = self.model(ids, torch.zeros_like(ids), meta, self.kv_caches, self.cos_sin, num_layers=num_layers)
         self.model.compute_logits(hidden, out=torch.empty_like(d.logits[:batch_size]))
 
-    def run_prefill(self, num_tokens: int, num_layers: int | None = 1) -> torch.Tensor:
-        """A throwaway eager prefill of one NUM_TOKENS-token prompt through the first NUM_LAYERS (all: None),
-        which loads the kernel modules a prefill of that size launches; returns its last token's logits. Its
-        keys and values go to block 0: only before the engine serves (runtime/engine/preload.py)."""
-        width = -(-num_tokens // self.config.block_size)
-        return self._forward_eager([0] * num_tokens, list(range(num_tokens)), [0] * num_tokens, [num_tokens],
-                                   [num_tokens], [[0] * width], num_layers=num_layers)
-
     # -- execution ---------------------------------------------------------------------------------
 
     @torch.inference_mode()
@@ -369,7 +361,7 @@ class ModelRunner:
 
     def _forward_eager(self, ids, positions, slots, query_lens, seq_lens, tables,
                        feed: Callable[[torch.Tensor], None] | None = None,
-                       samples: list[bool] | None = None, num_layers: int | None = None) -> torch.Tensor:
+                       samples: list[bool] | None = None) -> torch.Tensor:
         starts = [0]
         for n in query_lens:
             starts.append(starts[-1] + n)
@@ -392,8 +384,7 @@ class ModelRunner:
             feed(ids_on_device)
         last = [end - 1 for i, end in enumerate(starts[1:]) if samples is None or samples[i]]
         with ops_on_one_thread() if self.packed_steps and len(ids) <= MAX_PACKED_TOKENS else nullcontext():
-            hidden = self.model(ids_on_device, upload(positions, torch.int64), meta, self.kv_caches, self.cos_sin,
-                                num_layers=num_layers)
+            hidden = self.model(ids_on_device, upload(positions, torch.int64), meta, self.kv_caches, self.cos_sin)
             if not last:  # only slices short of their prompts' ends: no logits wanted
                 return hidden[:0]
             return self.model.compute_logits(hidden[upload(last, torch.int64)])

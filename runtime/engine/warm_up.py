@@ -21,15 +21,15 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from runtime.engine.preload import PROMPT_LENGTHS, SAMPLING_PATHS as PRELOADED_PATHS
 from runtime.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from runtime.engine.llm_engine import Engine
 
-#: the sampler's common paths (greedy, and sampling at a temperature: OpenAI's default), decoded together;
-#: not the log-probabilities, whose kernels cost the image more than they save (above)
-SAMPLING_PATHS = PRELOADED_PATHS[:2]
+#: prefill lengths served alone (clipped to what the engine takes in one step); cuBLAS picks its kernels by size
+PROMPT_LENGTHS = (2, 5, 12, 30, 75, 190, 470, 1180, 2950)
+#: the sampler's common paths (greedy, and sampling at a temperature: OpenAI's default), decoded together
+SAMPLING_PATHS = (SamplingParams(temperature=0.0), SamplingParams(temperature=0.8, seed=1))
 #: decode steps per request: enough for the step loop to run ahead of the host at least once
 WARM_UP_TOKENS = 4
 

@@ -90,7 +90,7 @@ class PoolStats:
 
 class ModelPool:
     def __init__(self, device: torch.device, budget_bytes: int, policy: str = "cost",
-                 proactive_kernels: bool = False, capture_graphs: bool = True, preload_kernels: bool = True) -> None:
+                 proactive_kernels: bool = False, capture_graphs: bool = True) -> None:
         """One per device. BUDGET_BYTES: what every model's weights, KV caches and engine buffers on the
         device may take together (device_budget() derives it from the settings). POLICY: cost (Tangram's
         cost model) or lru (whole models, least recently used first: the comparison). PROACTIVE_KERNELS: a
@@ -98,8 +98,7 @@ class ModelPool:
         kernels) while its weights stream; off (POOL_KERNELS=after, the default): after, as a single model's
         cold start does. CAPTURE_GRAPHS
         False: a first activation without a graph profile makes no graphs (faas-build captures and
-        materialises them itself, snapshots/materialized.py). PRELOAD_KERNELS: a model's first activation with a
-        graph profile loads a first request's kernels while its weights stream (runtime/engine/preload.py)."""
+        materialises them itself, snapshots/materialized.py)."""
         if policy not in POLICIES:
             raise PoolError(f"eviction policy {policy!r}: choose one of {', '.join(POLICIES)}")
         self.device = torch.device(device)
@@ -107,7 +106,6 @@ class ModelPool:
         self.policy = policy
         self.proactive_kernels = proactive_kernels
         self.capture_graphs = capture_graphs
-        self.preload_kernels = preload_kernels
         self._models: dict[str, ModelMemory] = {}
         self._engines: dict = {}
         self._graph_restorers: dict = {}
@@ -272,7 +270,7 @@ class ModelPool:
             engine.config = dataclasses.replace(engine.config, num_kv_blocks=kv_blocks)
         try:
             engine.start(kv_blocks=kv_blocks if beside else None, graph_restorer=restorer, memory=provider,
-                         capture_graphs=self.capture_graphs, preload_kernels=self.preload_kernels)
+                         capture_graphs=self.capture_graphs)
         except BaseException:
             with self._lock:
                 m.unmap_groups(list(range(len(m.groups))))
