@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from runtime.setting_text import FALSE_WORDS, TRUE_WORDS
+from snapshots.restore_run import LAZY_PAGES_DEFAULT
 
 
 class ConfigError(ValueError):
@@ -276,9 +277,10 @@ class Settings:
         "when they are not there and fit in the memory available, so that whoever streams them finds them there "
         "(0: only whoever streams them reads them)")
     lazy_pages: bool = _setting(
-        "LAZY_PAGES", _bool, False,
+        "LAZY_PAGES", _bool, LAZY_PAGES_DEFAULT,
         "process snapshots: the restored runtime runs before its memory is all back; a criu lazy-pages daemon "
-        "copies the rest in behind it and serves its page faults first (userfaultfd)")
+        "copies the rest in behind it and serves its page faults first (userfaultfd; 0: criu restores all of "
+        "the memory before the runtime runs)")
     handler: str = _setting(
         "HANDLER", str, "handlers.openai:handler", "module:attribute of the handler to serve")
     served_model_name: str | None = _setting(

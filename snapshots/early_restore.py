@@ -20,8 +20,8 @@ import os
 
 from runtime.setting_text import setting, true
 from runtime.start_paths import read_restore_order
-from snapshots.restore_run import (CRIU_ENV, CRIU_KINDS, CRIU_OPTIONS, IMAGES, INSTALLED_CRIU, MANIFEST,
-                                   RestoreRun, image_file_problem, kind_options)
+from snapshots.restore_run import (CRIU_ENV, CRIU_KINDS, CRIU_OPTIONS, IMAGES, INSTALLED_CRIU, LAZY_PAGES_DEFAULT,
+                                   MANIFEST, RestoreRun, image_file_problem, kind_options)
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ def start(argv: Sequence[str], environ: Mapping[str, str] = os.environ) -> str |
             files = json.load(f)["files"]
         if image_file_problem(os.path.join(snapshot_dir, kind, IMAGES), files) is not None:
             return None  # the bootstrap says why; CRIU can hang on a truncated image
-        lazy = true(setting(argv, environ, "LAZY_PAGES"), False)
+        lazy = true(setting(argv, environ, "LAZY_PAGES"), LAZY_PAGES_DEFAULT)
         _running = RestoreRun(criu, os.path.join(snapshot_dir, kind, IMAGES),
                               (*CRIU_OPTIONS, *kind_options(kind, lazy)))
         _kind = kind

@@ -59,7 +59,7 @@ def bake_process_snapshot(settings: Settings, model_dir: Path | None, snapshot_d
     return bake_snapshot("process", settings, model_dir, snapshot_dir, CriuHooks(), pid_namespace)
 
 
-def process_hooks(weights_during_restore: str, lazy_pages: bool = False) -> CriuHooks:
+def process_hooks(weights_during_restore: str, lazy_pages: bool) -> CriuHooks:
     """At boot, a process snapshot of a CUDA engine gets its weights from a helper that streams them while
     CRIU restores (WEIGHTS_DURING_RESTORE; snapshots/weights_during_restore.py): with `auto`, when they are not
     in the page cache. On the H100 machine, from cold disk, the helper read them at the disk's full rate from

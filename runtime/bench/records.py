@@ -17,9 +17,9 @@ ALL_MODES = SERVER_MODES + (BASELINE_MODE,)
 #: gpu-after and process-after stream the weights after the restore instead of during it; process-during
 #: streams them during it whether or not they are in the page cache; process-unprimed starts no driver primer;
 #: gpu-late and process-late start CRIU after the bootstrap's imports and checks, not before them;
-#: process-lazy hands over before the memory is back (LAZY_PAGES=1); cold-unprefetched and process-unprefetched
-#: leave the weights to whoever streams them (PREFETCH_WEIGHTS=0)
-VARIANTS = {"process-lazy": ("process", {"LAZY_PAGES": "1"}),
+#: process-eager hands over once criu has restored all of the memory (LAZY_PAGES=0); cold-unprefetched and
+#: process-unprefetched leave the weights to whoever streams them (PREFETCH_WEIGHTS=0)
+VARIANTS = {"process-eager": ("process", {"LAZY_PAGES": "0"}),
             "process-unprefetched": ("process", {"PREFETCH_WEIGHTS": "0"}),
             "cold-unprefetched": ("cold", {"PREFETCH_WEIGHTS": "0"}),
             "gpu-late": ("gpu", {"EARLY_RESTORE": "0"}),

@@ -85,7 +85,7 @@ def test_with_early_restore_off_criu_starts_after_the_checks(process_snapshot, t
 def test_a_restore_started_early_and_not_taken_is_undone(process_snapshot):
     """What the bootstrap does when its checks refuse the snapshot, or would restore another: the restored
     process is killed once CRIU is done, and nothing of it is left."""
-    env = {"SNAPSHOT_DIR": str(process_snapshot), "RESTORE": "process"}
+    env = {"SNAPSHOT_DIR": str(process_snapshot), "RESTORE": "process", "LAZY_PAGES": "0"}
     assert early_restore.start([], env) == "process"
     criu = find_criu()
     running = early_restore.take("process", criu.path, process_snapshot / "process" / IMAGES, list(CRIU_OPTIONS))
