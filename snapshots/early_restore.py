@@ -10,7 +10,11 @@ same one; anything else `abandon`s it: CRIU is waited for and what it restored i
 goes on. The restored process gets its instance only through the hand-over, after those checks and the
 image's digests have passed, so starting early changes when CRIU runs, never what is restored or served.
 
-Imports: os, json (the order faas-build measured) and what the interpreter has loaded at start.
+It also starts the check of that snapshot's image files against the digests in its manifest, on threads,
+right after CRIU (snapshots/integrity.py); the bootstrap `take_check`s it where it would check the same files
+against the same digests, and the hand-over waits for its verdict as it would for its own.
+
+Imports before CRIU starts: os, json (the order faas-build measured) and what the interpreter has loaded at start.
 """
 
 from __future__ import annotations
@@ -27,9 +31,13 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Mapping, Sequence
 
+    from snapshots.integrity import Verification
+
 #: the restore `start` began, until the bootstrap takes it or abandons it
 _running: RestoreRun | None = None
 _kind: str | None = None
+#: the check of its image files against their digests, begun right after it, until the bootstrap takes it
+_check: "Verification | None" = None
 
 
 def start(argv: Sequence[str], environ: Mapping[str, str] = os.environ) -> str | None:
@@ -43,16 +51,38 @@ def start(argv: Sequence[str], environ: Mapping[str, str] = os.environ) -> str |
             return None
         snapshot_dir = os.path.expanduser(setting(argv, environ, "SNAPSHOT_DIR"))
         with open(os.path.join(snapshot_dir, kind, MANIFEST)) as f:
-            files = json.load(f)["files"]
-        if image_file_problem(os.path.join(snapshot_dir, kind, IMAGES), files) is not None:
+            manifest = json.load(f)
+        images = os.path.join(snapshot_dir, kind, IMAGES)
+        if image_file_problem(images, manifest["files"]) is not None:
             return None  # the bootstrap says why; CRIU can hang on a truncated image
         lazy = true(setting(argv, environ, "LAZY_PAGES"), LAZY_PAGES_DEFAULT)
-        _running = RestoreRun(criu, os.path.join(snapshot_dir, kind, IMAGES),
-                              (*CRIU_OPTIONS, *kind_options(kind, lazy)))
+        _running = RestoreRun(criu, images, (*CRIU_OPTIONS, *kind_options(kind, lazy)))
         _kind = kind
+        _start_check(kind, images, manifest)
         return kind
     except Exception:  # noqa: BLE001 - the bootstrap's own restore reports what is wrong
         return None
+
+
+def _start_check(kind: str, images: str, manifest: dict) -> None:
+    """Hash the image files against the manifest's digests on threads, from now: with lazy pages the hand-over
+    waits for this verdict rather than for CRIU, and the bootstrap began it only after its imports."""
+    global _check
+    digests, hash = manifest.get("digests"), manifest.get("hash")
+    if isinstance(digests, dict) and digests and isinstance(hash, str) and hash:
+        from snapshots.integrity import Verification  # after CRIU has started: not on its way
+
+        _check = Verification.start(images, digests, hash, f"{kind} snapshot image file")
+
+
+def take_check(images: str | os.PathLike, digests: Mapping[str, str], hash: str) -> "Verification | None":
+    """The early check of the image files, now the caller's, if it checks IMAGES against exactly DIGESTS with
+    HASH (what the bootstrap read from the manifest); otherwise None."""
+    global _check
+    check, _check = _check, None
+    if check is None or os.path.realpath(check.directory) != os.path.realpath(images):
+        return None
+    return check if (dict(check.expected), check.hash) == (dict(digests), hash) else None
 
 
 def first_kind(argv: Sequence[str], environ: Mapping[str, str]) -> str | None:
@@ -95,7 +125,7 @@ def take(kind: str, criu_path: str, images: str | os.PathLike, options: Sequence
 
 def abandon() -> None:
     """Undo the early restore, if one was started and not taken: nothing it restored is left running."""
-    global _running, _kind
-    running, _running, _kind = _running, None, None
+    global _running, _kind, _check
+    running, _running, _kind, _check = _running, None, None, None
     if running is not None:
         running.undo()

@@ -87,8 +87,10 @@ def _take_over(settings: Settings, argv: list[str]) -> int | None:
             _skipped[kind] = f"unusable: {type(exc).__name__}: {exc}"
             continue
         directory = settings.snapshot_dir / kind
-        # the image files are hashed on threads while CRIU restores; the verdict comes before the hand-over
-        verification = image.start_verify(directory)
+        # the image files are hashed on threads while CRIU restores (from the entry point, when it started
+        # CRIU); the verdict comes before the hand-over
+        verification = (early_restore.take_check(directory / IMAGES, image.digests, image.hash)
+                        or image.start_verify(directory))
         running = early_restore.take(kind, criu.path, directory / IMAGES, [*CRIU_OPTIONS, *hooks.criu_options])
         try:
             from snapshots.process import boot_handoff, thaw

@@ -6,12 +6,12 @@ neither torch nor numpy: a snapshot's files are checked before either is loaded.
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterable, Mapping
 
-BLOCK = 8 << 20
 DEFAULT_THREADS = 8
 #: digests of a file's parts: hash name -> (the hash of each part and of their digests, the part's bytes).
 #: A file's digest is the hash of its parts' digests in order, so one large file (a CRIU page image of
@@ -62,19 +62,17 @@ def file_digests(paths: Iterable[Path], hash: str, threads: int = DEFAULT_THREAD
 
 
 def _hash_range(path: Path, start: int, length: int | None, h):
-    """H updated with LENGTH bytes of PATH from START (None: to the end)."""
+    """H updated with LENGTH bytes of PATH from START (None: to the end), mapped and hashed in one call, which
+    releases the GIL for all of it. Read in blocks instead, each block's read and hash took the GIL back, and
+    beside a busy main thread (the bootstrap's imports, at a restore) each of those waited for it:
+    scripts/bench_digest_contention.py. The files checked are replaced whole, never truncated in place (a
+    mapping read past a file's new end would be a SIGBUS): snapshot images, and layout files written by rename."""
     with open(path, "rb", buffering=0) as f:
-        f.seek(start)
-        buf = bytearray(BLOCK)
-        view = memoryview(buf)
-        left = length
-        while left is None or left > 0:
-            n = f.readinto(view if left is None or left >= BLOCK else view[:left])
-            if not n:
-                break
-            h.update(view[:n])
-            if left is not None:
-                left -= n
+        size = os.fstat(f.fileno()).st_size
+        end = size if length is None else min(size, start + length)
+        if end > start:
+            with mmap.mmap(f.fileno(), end - start, offset=start, access=mmap.ACCESS_READ) as mapped:
+                h.update(mapped)
     return h
 
 

@@ -13,6 +13,7 @@ import pytest
 from runtime.start_paths import ORDER_FILE
 from snapshots import early_restore
 from snapshots.criu import find_criu
+from snapshots.image import SnapshotImage
 from snapshots.restore_run import CRIU_OPTIONS, IMAGES
 from tests.snapshots.test_process_snapshot import cold_text  # noqa: F401  (the module's fixture, shared)
 from tests.server.conftest import API_KEY, start_server
@@ -60,9 +61,11 @@ def test_a_boot_restores_what_criu_began_before_the_checks(process_snapshot, tin
     try:
         stages = {s["stage"]: s for s in health(server)["stages"]}
         assert health(server)["restore_path"] == "process"
-        # CRIU began before the bootstrap's checks started hashing the image, which overlapped it
-        assert stages["restore"]["start_s"] < stages["snapshot_verify"]["start_s"]
-        assert stages["restore"]["detail"]["early_s"] > 0
+        # CRIU began first, and the check of its image files right after it, in the entry point: before the
+        # bootstrap, after its imports, reached the restore
+        restore, check = stages["restore"], stages["snapshot_verify"]
+        assert restore["start_s"] < check["start_s"] < restore["start_s"] + restore["detail"]["early_s"]
+        assert restore["detail"]["early_s"] > 0
         assert greedy_text(server) == cold_text
     finally:
         server.stop()
@@ -100,6 +103,27 @@ def test_a_restore_started_early_and_not_taken_is_undone(process_snapshot):
     assert early_restore.take("gpu", criu.path, process_snapshot / "gpu" / IMAGES, []) is None  # another: undone
     assert set(children_of(os.getpid())) <= before  # CRIU and what it restored are gone
     early_restore.abandon()  # nothing left to abandon
+
+
+@pytest.mark.criu
+def test_the_early_check_of_the_image_is_taken_only_against_the_same_digests(process_snapshot):
+    image = SnapshotImage.read(process_snapshot / "process")
+    images = process_snapshot / "process" / IMAGES
+    env = {"SNAPSHOT_DIR": str(process_snapshot), "RESTORE": "process", "LAZY_PAGES": "0"}
+    try:
+        assert early_restore.start([], env) == "process"
+        other = {name: "0" * 32 for name in image.digests}  # a manifest read later that says otherwise
+        assert early_restore.take_check(images, other, image.hash) is None
+    finally:
+        early_restore.abandon()
+    try:
+        assert early_restore.start([], env) == "process"
+        check = early_restore.take_check(images, image.digests, image.hash)
+        assert check is not None and early_restore.take_check(images, image.digests, image.hash) is None  # once
+        check.wait()  # every file matched
+        assert check.bytes == sum(image.files.values())
+    finally:
+        early_restore.abandon()
 
 
 def lazy_pages_blocker() -> str | None:
