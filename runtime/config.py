@@ -15,8 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from runtime.setting_text import FALSE_WORDS, TRUE_WORDS
-from snapshots.restore_run import LAZY_PAGES_DEFAULT
+from runtime.setting_text import EARLY_DEFAULTS, FALSE_WORDS, TRUE_WORDS
 
 
 class ConfigError(ValueError):
@@ -268,16 +267,16 @@ class Settings:
         "process snapshots on cuda: a short-lived process runs cuInit while CRIU restores the runtime, so that "
         "the restored runtime's own finds the driver warm (0: the runtime initialises CUDA alone)")
     early_restore: bool = _setting(
-        "EARLY_RESTORE", _bool, True,
+        "EARLY_RESTORE", _bool, EARLY_DEFAULTS["EARLY_RESTORE"],
         "faas-bootstrap starts restoring the CRIU snapshot it would restore first before importing the rest of "
         "the runtime, whose checks then take that restore over or undo it (0: CRIU starts after the checks)")
     prefetch_weights: bool = _setting(
-        "PREFETCH_WEIGHTS", _bool, True,
+        "PREFETCH_WEIGHTS", _bool, EARLY_DEFAULTS["PREFETCH_WEIGHTS"],
         "faas-bootstrap reads a local layout's weight files into the page cache from its first instruction, "
         "when they are not there and fit in the memory available, so that whoever streams them finds them there "
         "(0: only whoever streams them reads them)")
     lazy_pages: bool = _setting(
-        "LAZY_PAGES", _bool, LAZY_PAGES_DEFAULT,
+        "LAZY_PAGES", _bool, EARLY_DEFAULTS["LAZY_PAGES"],
         "process snapshots: the restored runtime runs before its memory is all back; a criu lazy-pages daemon "
         "copies the rest in behind it and serves its page faults first (userfaultfd; 0: criu restores all of "
         "the memory before the runtime runs)")

@@ -13,11 +13,11 @@ def main(argv: list[str] | None = None) -> int:
     if "-h" not in argv and "--help" not in argv:
         import os
 
-        from runtime.setting_text import setting, true
+        from runtime.setting_text import early_flag, setting
         from snapshots import early_restore
 
         early_restore.start(argv)
-        if true(setting(argv, os.environ, "PREFETCH_WEIGHTS"), True):
+        if early_flag(argv, os.environ, "PREFETCH_WEIGHTS"):
             from runtime.weights import prefetch
 
             prefetch.start(setting(argv, os.environ, "MODEL"))

@@ -7,6 +7,9 @@ TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Mapping, Sequence
 
+#: the defaults of the boolean settings the entry point reads before the bootstrap: runtime/config.py takes
+#: them from here, so that the early read and the bootstrap's parse agree
+EARLY_DEFAULTS = {"EARLY_RESTORE": True, "PREFETCH_WEIGHTS": True, "LAZY_PAGES": True}
 #: the words a boolean setting is read as (runtime/config.py parses them the same way)
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off", "")
@@ -22,6 +25,11 @@ def setting(argv: Sequence[str], environ: Mapping[str, str], env: str) -> str | 
         elif arg.startswith(flag + "="):
             value = arg[len(flag) + 1:]
     return value
+
+
+def early_flag(argv: Sequence[str], environ: Mapping[str, str], env: str) -> bool:
+    """A boolean setting of EARLY_DEFAULTS, as the bootstrap will read it."""
+    return true(setting(argv, environ, env), EARLY_DEFAULTS[env])
 
 
 def true(text: str | None, default: bool) -> bool:

@@ -22,10 +22,10 @@ from __future__ import annotations
 import json
 import os
 
-from runtime.setting_text import setting, true
+from runtime.setting_text import early_flag, setting
 from runtime.start_paths import read_restore_order
-from snapshots.restore_run import (CRIU_ENV, CRIU_KINDS, CRIU_OPTIONS, IMAGES, INSTALLED_CRIU, LAZY_PAGES_DEFAULT,
-                                   MANIFEST, RestoreRun, image_file_problem, kind_options)
+from snapshots.restore_run import (CRIU_ENV, CRIU_KINDS, CRIU_OPTIONS, IMAGES, INSTALLED_CRIU, MANIFEST, RestoreRun,
+                                   image_file_problem, kind_options)
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -55,7 +55,7 @@ def start(argv: Sequence[str], environ: Mapping[str, str] = os.environ) -> str |
         images = os.path.join(snapshot_dir, kind, IMAGES)
         if image_file_problem(images, manifest["files"]) is not None:
             return None  # the bootstrap says why; CRIU can hang on a truncated image
-        lazy = true(setting(argv, environ, "LAZY_PAGES"), LAZY_PAGES_DEFAULT)
+        lazy = early_flag(argv, environ, "LAZY_PAGES")
         _running = RestoreRun(criu, images, (*CRIU_OPTIONS, *kind_options(kind, lazy)))
         _kind = kind
         _start_check(kind, images, manifest)
@@ -93,7 +93,7 @@ def take_check(images: str | os.PathLike, digests: Mapping[str, str], hash: str)
 def first_kind(argv: Sequence[str], environ: Mapping[str, str]) -> str | None:
     """The CRIU snapshot the bootstrap would try first: RESTORE's, or under auto the first CRIU path of the
     order faas-build measured (none if materialized comes first); None where no CRIU restore would start."""
-    if not true(setting(argv, environ, "EARLY_RESTORE"), True):
+    if not early_flag(argv, environ, "EARLY_RESTORE"):
         return None
     restore = setting(argv, environ, "RESTORE") or "auto"
     snapshot_dir = os.path.expanduser(setting(argv, environ, "SNAPSHOT_DIR") or "")

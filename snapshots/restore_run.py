@@ -27,9 +27,6 @@ GPU_OPTIONS = ("--ext-unix-sk",)
 #: the restored process starts before its memory is back: a `criu lazy-pages` daemon, started first, copies
 #: the pages in behind it and serves its faults first (userfaultfd); LAZY_PAGES, process snapshots
 LAZY_OPTIONS = ("--lazy-pages",)
-#: LAZY_PAGES unset: on (docs/snapshots.md, "Lazy pages"); one default for the entry point's early read and
-#: the settings
-LAZY_PAGES_DEFAULT = True
 #: how long the lazy-pages daemon may take to be ready for the restore
 LAZY_READY_S = 10.0
 #: the kinds of CRIU snapshot

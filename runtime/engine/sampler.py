@@ -128,10 +128,7 @@ def _most_likely(logprobs: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Te
     top-k: on the GPU, top-k's kernel modules are large, and a process's first request loads them (on the
     H100, asking for the top log-probabilities cost a first request 44 ms, the chosen token's alone 12 ms:
     runtime/engine/warm_up.py)."""
-    if n == 1:
-        values, ids = logprobs.max(dim=-1, keepdim=True)
-        return values, ids
-    return logprobs.topk(n, dim=-1)
+    return logprobs.max(dim=-1, keepdim=True) if n == 1 else logprobs.topk(n, dim=-1)
 
 
 def _plain_greedy(params: SamplingParams) -> bool:
