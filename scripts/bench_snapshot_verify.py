@@ -30,6 +30,8 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from runtime.bench.instance import entry_command  # noqa: E402
+
 EMBEDDED_ENV = {"DEVICE": "cpu", "MAX_MODEL_LEN": "512", "MAX_NUM_SEQS": "4"}
 
 
@@ -64,7 +66,7 @@ def boot(snapshot_dir: Path, env: dict[str, str], timeout: float = 300.0, stderr
     env = os.environ | env | {"SNAPSHOT_DIR": str(snapshot_dir), "PORT": str(port), "HOST": "127.0.0.1",
                               "PYTHONPATH": os.pathsep.join(paths)}
     log = stderr or tempfile.TemporaryFile(mode="w+")
-    process = subprocess.Popen([sys.executable, "-m", "runtime.entry"], cwd=REPO, env=env,
+    process = subprocess.Popen(entry_command(), cwd=REPO, env=env,
                                stdout=subprocess.DEVNULL, stderr=log)
     try:
         deadline = time.monotonic() + timeout

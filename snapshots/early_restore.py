@@ -38,12 +38,15 @@ _running: RestoreRun | None = None
 _kind: str | None = None
 #: the check of its image files against their digests, begun right after it, until the bootstrap takes it
 _check: "Verification | None" = None
+#: what that check needs, while `start_check` has not begun it
+_unchecked: tuple[str, str, dict] | None = None
 
 
-def start(argv: Sequence[str], environ: Mapping[str, str] = os.environ) -> str | None:
-    """Start restoring the snapshot the bootstrap would restore first, if there is one to restore; returns
-    its kind. Never raises: without an early restore the bootstrap restores as it always did."""
-    global _running, _kind
+def start(argv: Sequence[str], environ: Mapping[str, str] = os.environ, check: bool = True) -> str | None:
+    """Start restoring the snapshot the bootstrap would restore first, if there is one to restore, and
+    unless CHECK is False the check of its image files (`start_check` begins it then); returns its kind.
+    Never raises: without an early restore the bootstrap restores as it always did."""
+    global _running, _kind, _unchecked
     try:
         kind = first_kind(argv, environ)
         criu = environ.get(CRIU_ENV) or INSTALLED_CRIU
@@ -58,10 +61,21 @@ def start(argv: Sequence[str], environ: Mapping[str, str] = os.environ) -> str |
         lazy = early_flag(argv, environ, "LAZY_PAGES")
         _running = RestoreRun(criu, images, (*CRIU_OPTIONS, *kind_options(kind, lazy)))
         _kind = kind
-        _start_check(kind, images, manifest)
+        _unchecked = (kind, images, manifest)
+        if check:
+            start_check()
         return kind
     except Exception:  # noqa: BLE001 - the bootstrap's own restore reports what is wrong
         return None
+
+
+def start_check() -> None:
+    """Begin the check of the image files of the restore `start` began, if it did not (the entry point
+    started without `site` begins it once `site` has run: the check hashes with xxhash)."""
+    global _unchecked
+    unchecked, _unchecked = _unchecked, None
+    if unchecked is not None:
+        _start_check(*unchecked)
 
 
 def _start_check(kind: str, images: str, manifest: dict) -> None:
@@ -130,7 +144,7 @@ def take(kind: str, criu_path: str, images: str | os.PathLike, options: Sequence
 
 def abandon() -> None:
     """Undo the early restore, if one was started and not taken: nothing it restored is left running."""
-    global _running, _kind, _check
-    running, _running, _kind, _check = _running, None, None, None
+    global _running, _kind, _check, _unchecked
+    running, _running, _kind, _check, _unchecked = _running, None, None, None, None
     if running is not None:
         running.undo()

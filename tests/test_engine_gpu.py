@@ -27,6 +27,36 @@ def test_cuda_graphs_greedy_matches_transformers_fp32(preset, tiny_model, engine
     assert engine.stats().kv_blocks_used == 0
 
 
+def test_greedy_logprobs_from_the_greedy_kernel_match_transformers(tiny_model, engine_factory):
+    """logprobs 0 and 1 (runtime/engine/kernels/sampling.py) beside a request without them and one asking two
+    (torch's path), in one batch: each gets transformers' greedy tokens and log-probabilities."""
+    import torch
+
+    model_dir = tiny_model("tiny-llama")
+    engine = engine_factory(model_dir, device="cuda", dtype="float32", max_num_seqs=8, max_model_len=256,
+                            gpu_memory_utilization=0.2)
+    asks = [None, 0, 1, 2]
+
+    async def all_at_once():
+        return await asyncio.gather(*[collect(engine, PROMPTS[i], max_tokens=6, temperature=0, logprobs=n)
+                                      for i, n in enumerate(asks)])
+
+    for i, (n, outs) in enumerate(zip(asks, asyncio.run(all_at_once()))):
+        generated, model = hf_greedy(model_dir, PROMPTS[i], 6)
+        assert tokens(outs) == generated
+        if n is None:
+            assert all(not out.logprobs for out in outs)
+            continue
+        with torch.no_grad():
+            ref = torch.log_softmax(model(torch.tensor([PROMPTS[i] + generated])).logits[0].float(), dim=-1)
+        for step, out in enumerate(outs):
+            row = ref[len(PROMPTS[i]) - 1 + step]
+            (lp,) = out.logprobs
+            assert lp.logprob == pytest.approx(row[generated[step]].item(), abs=1e-4)
+            assert [t for t, _, _ in lp.top] == row.topk(n).indices.tolist()
+            assert [v for _, _, v in lp.top] == pytest.approx(row.topk(n).values.tolist(), abs=1e-4)
+
+
 def test_bf16_graphs_equal_eager(tiny_model, engine_factory):
     engine = engine_factory(tiny_model("tiny-llama"), device="cuda", dtype="bfloat16", max_num_seqs=16,
                             max_model_len=256, gpu_memory_utilization=0.2)

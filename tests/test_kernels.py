@@ -294,3 +294,18 @@ def test_the_mlp_computes_its_gate_in_the_down_projection_only_at_one_token(monk
     assert not gemv.fits(unaligned, down.weight, None, None, gated=True)
     gate, up = unaligned.cpu().chunk(2, dim=-1)
     assert torch.allclose(down.gated(unaligned).cpu(), F.linear(F.silu(gate) * up, down.weight.cpu()), atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_kernel_gives_the_first_largest_logit_and_its_log_softmax(dtype):
+    from runtime.engine.kernels.sampling import greedy_with_logprob
+
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(3, 5000, generator=g) * 4).to(dtype)  # more than one block of the kernel's loop
+    logits[1, 4100] = logits[1, 4400] = logits[1].max() + 1  # a tie, after the first block: the first wins
+    logits[2, :] = 0.5  # all equal: token 0
+    rows = logits[:, :4500]  # a view whose rows are longer than its width
+    tokens, chosen = greedy_with_logprob(rows.to(DEVICE))
+    expected = torch.log_softmax(rows.float(), dim=-1)
+    assert tokens.tolist() == rows.float().argmax(dim=-1).tolist() == [tokens[0].item(), 4100, 0]
+    assert torch.allclose(chosen.cpu(), expected.gather(1, tokens.cpu()[:, None]).squeeze(1), atol=1e-5)

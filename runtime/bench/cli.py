@@ -147,8 +147,9 @@ def _parser() -> argparse.ArgumentParser:
                            f"{','.join(ALL_MODES)}; gpu-after, process-after: gpu, process with WEIGHTS_DURING_RESTORE=0; "
                            "process-during: process with WEIGHTS_DURING_RESTORE=1; process-unprimed: process with "
                            "PRIME_DRIVER=0; gpu-late, process-late: gpu, process with EARLY_RESTORE=0; "
-                           "process-eager: process with LAZY_PAGES=0; cold-unprefetched, process-unprefetched: cold, "
-                           "process with PREFETCH_WEIGHTS=0)")
+                           "process-lazy: process with LAZY_PAGES=1; cold-unprefetched, process-unprefetched: cold, "
+                           "process with PREFETCH_WEIGHTS=0; process-site, cold-site: process, cold started after "
+                           "site, as the faas-bootstrap script starts)")
     cold.add_argument("--repeat", type=_positive(int), default=3, help="runs per mode (3)")
     cold.add_argument("--page-cache", choices=("warm", "dropped"), default="warm",
                       help="warm: files read once before the runs; dropped: drop_caches before each (root)")

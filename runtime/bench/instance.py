@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 
 from runtime.bench import BenchError
-from runtime.bench.records import VARIANTS
+from runtime.bench.records import SITE_FIRST, VARIANTS
 
 #: the checkout the bench runs from; the processes it starts import the same one
 SOURCE_ROOT = Path(__file__).resolve().parents[2]
@@ -35,6 +35,12 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def entry_command(site_first: bool = False) -> list[str]:
+    """How the image starts `faas-bootstrap` (Dockerfile, ENTRYPOINT): without `site`, which the entry point
+    runs once it has started the restore (runtime/entry.py). SITE_FIRST: as the `faas-bootstrap` script starts."""
+    return [sys.executable, *(() if site_first else ("-S",)), "-m", "runtime.entry"]
 
 
 def child_environment(settings: dict[str, str], spawned_at: float) -> dict[str, str]:
@@ -63,7 +69,7 @@ class Instance:
         container's process is (needs root): a restored snapshot keeps its baked pids, so two instances
         restored from one snapshot on one host clash without it."""
         port = free_port()
-        command = [sys.executable, "-m", "runtime.entry"]
+        command = entry_command(site_first=mode in SITE_FIRST)
         if own_pid_namespace:
             command = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", *command]
         log_path.parent.mkdir(parents=True, exist_ok=True)

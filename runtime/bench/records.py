@@ -17,9 +17,12 @@ ALL_MODES = SERVER_MODES + (BASELINE_MODE,)
 #: gpu-after and process-after stream the weights after the restore instead of during it; process-during
 #: streams them during it whether or not they are in the page cache; process-unprimed starts no driver primer;
 #: gpu-late and process-late start CRIU after the bootstrap's imports and checks, not before them;
-#: process-eager hands over once criu has restored all of the memory (LAZY_PAGES=0); cold-unprefetched and
-#: process-unprefetched leave the weights to whoever streams them (PREFETCH_WEIGHTS=0)
-VARIANTS = {"process-eager": ("process", {"LAZY_PAGES": "0"}),
+#: process-lazy hands over before criu has restored all of the memory (LAZY_PAGES=1); cold-unprefetched and
+#: process-unprefetched leave the weights to whoever streams them (PREFETCH_WEIGHTS=0); process-site and
+#: cold-site start the entry point after `site`, as the `faas-bootstrap` script does (SITE_FIRST)
+VARIANTS = {"process-site": ("process", {}),
+            "cold-site": ("cold", {}),
+            "process-lazy": ("process", {"LAZY_PAGES": "1"}),
             "process-unprefetched": ("process", {"PREFETCH_WEIGHTS": "0"}),
             "cold-unprefetched": ("cold", {"PREFETCH_WEIGHTS": "0"}),
             "gpu-late": ("gpu", {"EARLY_RESTORE": "0"}),
@@ -28,6 +31,7 @@ VARIANTS = {"process-eager": ("process", {"LAZY_PAGES": "0"}),
             "process-after": ("process", {"WEIGHTS_DURING_RESTORE": "0"}),
             "process-during": ("process", {"WEIGHTS_DURING_RESTORE": "1"}),
             "process-unprimed": ("process", {"PRIME_DRIVER": "0"})}
+SITE_FIRST = ("process-site", "cold-site")
 
 
 @dataclass

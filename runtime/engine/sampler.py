@@ -78,6 +78,13 @@ class Sampler:
             # The argmax of bf16/fp16 logits is that of their (exact) fp32 values, first maximum on ties in
             # both: no fp32 copy of the [B, vocab] logits, one kernel and one transfer.
             return SampledBatch(logits.argmax(dim=-1), seqs)
+        if logits.is_cuda and all(_greedy_logprob(s.params) for s in seqs):
+            from runtime.engine.kernels.sampling import greedy_with_logprob  # Triton: never on a CPU start
+
+            # the chosen token is the most likely one: its log-probability is also the top one, when asked
+            tokens, chosen = greedy_with_logprob(logits)
+            top = (chosen[:, None], tokens[:, None]) if any(s.params.logprobs for s in seqs) else None
+            return SampledBatch(tokens, seqs, chosen, top)
         logits = logits.float()
         logprobs = torch.log_softmax(logits, dim=-1) if any(s.params.logprobs is not None for s in seqs) else None
         self.penalties.apply(logits, seqs)
@@ -134,6 +141,13 @@ def _most_likely(logprobs: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Te
 def _plain_greedy(params: SamplingParams) -> bool:
     """Greedy, and nothing else reads or changes the logits (no penalties, bias, grammar or logprobs)."""
     return params.greedy and params.logprobs is None and not penalised(params) and not constrained(params)
+
+
+def _greedy_logprob(params: SamplingParams) -> bool:
+    """Greedy on unchanged logits, asking at most the chosen token's log-probability and the top one (what
+    `greedy_with_logprob` gives: runtime/engine/kernels/sampling.py)."""
+    return (params.greedy and (params.logprobs or 0) <= 1 and not penalised(params)
+            and not constrained(params))
 
 
 def _mask_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

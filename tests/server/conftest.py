@@ -96,11 +96,12 @@ class Server:
         return self.process.wait()
 
 
-def start_server(tmp: Path, name: str, **settings: str) -> Server:
+def start_server(tmp: Path, name: str, command: list[str] | None = None, **settings: str) -> Server:
+    """COMMAND: how faas-bootstrap is started (default: `bootstrap_command()`)."""
     port = free_port()
     log_path = tmp / f"{name}.log"
     with open(log_path, "wb") as log:
-        process = subprocess.Popen(bootstrap_command(), cwd=REPO, env=server_env(PORT=str(port), **settings),
+        process = subprocess.Popen(command or bootstrap_command(), cwd=REPO, env=server_env(PORT=str(port), **settings),
                                    stdout=log, stderr=subprocess.STDOUT)
     return Server(process, port, log_path)
 

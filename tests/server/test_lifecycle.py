@@ -12,6 +12,7 @@ import httpx
 import orjson
 import pytest
 
+from runtime.bench.instance import entry_command
 from tests.server.conftest import REPO, bootstrap_command, server_env, start_server
 
 
@@ -164,6 +165,26 @@ def test_custom_handler(tiny_model_dir, tmp_path):
         assert "thawllm_generated_tokens_total" in httpx.get(f"{server.url}/metrics").text
     finally:
         assert server.stop() == 0
+
+
+def test_the_image_command_starts_without_site_and_serves(tiny_model_dir, tmp_path):
+    """The image's ENTRYPOINT, `python3 -S -m runtime.entry`: the packages outside the standard library (the
+    server's, torch) come from site, which the entry point runs itself; a handler in the working directory is
+    found as with the script."""
+    assert "-S" in entry_command()
+    server = start_server(tmp_path, "no-site", command=entry_command(), MODEL=str(tiny_model_dir),
+                          HANDLER="examples.custom_handler.handler:handler")
+    try:
+        server.wait_ready()
+        r = httpx.post(f"{server.url}/generate", json={"prompt": "hello", "max_tokens": 7})
+        assert r.status_code == 200 and r.json()["tokens"] <= 7
+        r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "hello", "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2
+    finally:
+        assert server.stop() == 0
+    r = subprocess.run(entry_command() + ["--port", "http"], cwd=REPO, env=server_env(), capture_output=True,
+                       text=True, timeout=30)
+    assert r.returncode == 2 and r.stderr.strip() == "faas-bootstrap: --port='http': must be a valid port"
 
 
 def test_readme_documents_every_setting():

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from runtime.bench.instance import entry_command
 from runtime.start_paths import ORDER_FILE
 from snapshots import early_restore
 from snapshots.criu import find_criu
@@ -66,6 +67,23 @@ def test_a_boot_restores_what_criu_began_before_the_checks(process_snapshot, tin
         restore, check = stages["restore"], stages["snapshot_verify"]
         assert restore["start_s"] < check["start_s"] < restore["start_s"] + restore["detail"]["early_s"]
         assert restore["detail"]["early_s"] > 0
+        assert greedy_text(server) == cold_text
+    finally:
+        server.stop()
+
+
+@pytest.mark.criu
+def test_the_image_command_restores_before_site_and_serves_the_same(process_snapshot, tiny_model_dir, cold_text,  # noqa: F811
+                                                                  tmp_path):
+    server = start_server(tmp_path, "no-site", command=entry_command(), MODEL=str(tiny_model_dir),
+                          SNAPSHOT_DIR=str(process_snapshot), API_KEY=API_KEY, **ENGINE_ENV)
+    try:
+        server.wait_ready()
+        stages = {s["stage"]: s for s in health(server)["stages"]}
+        assert health(server)["restore_path"] == "process", health(server).get("skipped")
+        # CRIU began before site ran, the check of its image after it (with xxhash), both before the bootstrap
+        restore, check = stages["restore"], stages["snapshot_verify"]
+        assert restore["start_s"] < check["start_s"] < restore["start_s"] + restore["detail"]["early_s"]
         assert greedy_text(server) == cold_text
     finally:
         server.stop()

@@ -1,5 +1,5 @@
 """The Triton kernels of the engine (embedding, rotary with the KV write, decode attention, norms, activation,
-few-token projections)."""
+few-token projections, greedy sampling with log-probabilities)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import importlib
 
 #: every module with Triton kernels the engine launches, the weight loader's device checksum included
 KERNEL_MODULES = tuple(f"runtime.engine.kernels.{name}" for name in ("activation", "embedding", "gemv", "norm",
-                                                                       "paged_attention", "rotary")) + (
+                                                                       "paged_attention", "rotary", "sampling")) + (
     "runtime.weights.checksum_kernel",)
 
 
