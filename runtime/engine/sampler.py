@@ -90,11 +90,14 @@ class Sampler:
         self.penalties.apply(logits, seqs)
         if any(constrained(s.params) for s in seqs):
             self.constraints.apply(logits, seqs)
-        tokens = logits.argmax(dim=-1)
         sampled_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
-        if sampled_rows:
-            rows = torch.tensor(sampled_rows, device=logits.device)
-            tokens[rows] = self._sample(logits[rows], [seqs[i] for i in sampled_rows])
+        if len(sampled_rows) == len(seqs):  # no argmax to overwrite, no rows to pick: fewer kernels to load
+            tokens = self._sample(logits, seqs)
+        else:
+            tokens = logits.argmax(dim=-1)
+            if sampled_rows:
+                rows = torch.tensor(sampled_rows, device=logits.device)
+                tokens[rows] = self._sample(logits[rows], [seqs[i] for i in sampled_rows])
         self.penalties.record(tokens, seqs)
         if logprobs is None:
             return SampledBatch(tokens, seqs)
