@@ -278,8 +278,8 @@ class Settings:
     lazy_pages: bool = _setting(
         "LAZY_PAGES", _bool, EARLY_DEFAULTS["LAZY_PAGES"],
         "process snapshots: the restored runtime runs before its memory is all back; a criu lazy-pages daemon "
-        "copies the rest in behind it and serves its page faults first (userfaultfd; 0: criu restores all of "
-        "the memory before the runtime runs)")
+        "copies the rest in behind it and serves its page faults first (userfaultfd; without it, a plain "
+        "restore); 0: criu restores all of the memory before the runtime runs")
     handler: str = _setting(
         "HANDLER", str, "handlers.openai:handler", "module:attribute of the handler to serve")
     served_model_name: str | None = _setting(
