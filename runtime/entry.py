@@ -3,12 +3,13 @@ bootstrap would restore first (snapshots/early_restore.py says why and what make
 of the weights into the page cache where they are not there (runtime/weights/prefetch.py), then imports the
 bootstrap and runs it. `python -m runtime.bootstrap` runs the same start without either.
 
-The image starts it as `python3 -S -m runtime.entry`: without `site`, the interpreter starts without reading
-site-packages' `.pth` files and running the start-up hooks they name (on the GPU machine a venv's hook made the
-interpreter's start 0.07-0.08 s instead of 0.01 s). Both starts need only the standard library and this package;
-`site` runs after them, and then the check of the snapshot's image files begins (it hashes with xxhash, from
-site-packages), beside CRIU still restoring. Started as the `faas-bootstrap` script, `site` has run already, and
-the check begins right after CRIU."""
+The image runs it without `site` (its `faas-bootstrap` is a script run by `python3 -S`; the bench starts
+`python3 -S -m runtime.entry`): the interpreter starts without reading site-packages' `.pth` files and running
+the start-up hooks they name (on the GPU machine a venv's hook made the interpreter's start 0.07-0.08 s instead of
+0.01 s). Both starts need only the standard library and this package; `site` runs after them, and then the check
+of the snapshot's image files begins (it hashes with xxhash, from site-packages), beside CRIU still restoring.
+Started with `site` (the console script pip installs, `python -m runtime.entry`), the check begins right after
+CRIU and the start is otherwise the same."""
 
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     from runtime.bootstrap import main as bootstrap
 
     return bootstrap(argv)
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -11,8 +11,9 @@ goes on. The restored process gets its instance only through the hand-over, afte
 image's digests have passed, so starting early changes when CRIU runs, never what is restored or served.
 
 It also starts the check of that snapshot's image files against the digests in its manifest, on threads,
-right after CRIU (snapshots/integrity.py); the bootstrap `take_check`s it where it would check the same files
-against the same digests, and the hand-over waits for its verdict as it would for its own.
+right after CRIU, or once `site` has run in an entry point started without it (snapshots/integrity.py); the
+bootstrap `take_check`s it where it would check the same files against the same digests, and the hand-over
+waits for its verdict as it would for its own.
 
 Imports before CRIU starts: os, json (the order faas-build measured) and what the interpreter has loaded at start.
 """

@@ -38,8 +38,8 @@ def free_port() -> int:
 
 
 def entry_command(site_first: bool = False) -> list[str]:
-    """How the image starts `faas-bootstrap` (Dockerfile, ENTRYPOINT): without `site`, which the entry point
-    runs once it has started the restore (runtime/entry.py). SITE_FIRST: as the `faas-bootstrap` script starts."""
+    """The entry point started as the image's `faas-bootstrap` starts it (Dockerfile): without `site`, which it
+    runs once it has started the restore (runtime/entry.py). SITE_FIRST: after `site`, as pip's console script."""
     return [sys.executable, *(() if site_first else ("-S",)), "-m", "runtime.entry"]
 
 

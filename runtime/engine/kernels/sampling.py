@@ -3,9 +3,9 @@ log_softmax at it, in one kernel.
 
 Greedy sampling that also returns log-probabilities went through five of torch's kernels (a float copy,
 log_softmax, argmax, gather, max), each from a large compressed module of libtorch_cuda that the driver loads
-on its first launch: 10-45 ms apiece in a fresh process on the H200, 70-90 ms of the first request after a
-process restore. This kernel comes from the baked Triton cache (runtime/engine/kernels/embedding.py says the
-same of the embedding)."""
+on its first launch: 10-33 ms apiece in a fresh process on the H200 (scripts/probe_first_launch.py), paid by the
+first request after a process restore. This kernel comes from the baked Triton cache
+(runtime/engine/kernels/embedding.py says the same of the embedding)."""
 
 from __future__ import annotations
 
