@@ -197,6 +197,7 @@ class Engine:
         `memory`: where the weights and the KV cache live when a multi-model pool owns them (runtime/pool).
         `handover`: the weights are already on the device, in memory another process streamed them into."""
         t = self.timeline
+        called = time.time()
         if graph_restorer is not None:
             graph_restorer.read_ahead()  # while CUDA initialises, which leaves the GIL free most of the time
         self.init_device()
@@ -209,8 +210,12 @@ class Engine:
         runner = ModelRunner(self.model, self.model_config, self.config, self.max_model_len, memory)
         self.runner = runner
         buffer, handed_over = self._weight_buffer(runner, releasable_memory, handover)
-        # from the device to the KV cache: the runner, the weight buffer and the parameters' views of it
-        before_kv = {"weight_buffer_s": round(time.time() - prepared, 4)}
+        # from the device to the KV cache: how much later than the device this start was called, from then to
+        # the runner (this thread's wait for the GIL, the device made current), and the runner, the weight buffer
+        # and the parameters' views of it
+        before_kv = {"called_after_device_s": round(max(0.0, called - ended), 4),
+                     "device_to_runner_s": round(prepared - max(called, ended), 4),
+                     "weight_buffer_s": round(time.time() - prepared, 4)}
         graphs = bool(runner.graph_batch_sizes) and (capture_graphs or graph_restorer is not None)
         materialized = kv_blocks is not None
         graphs_first = materialized and graphs and graph_restorer is not None and graph_restorer.before_weights

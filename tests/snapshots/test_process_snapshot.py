@@ -112,9 +112,11 @@ def test_timeline_is_measured_from_the_new_spawn(process_snapshot, tiny_model_di
         parts = restore["detail"]
         assert 0 <= parts["early_s"] and 0 < parts["criu_s"] <= restore["seconds"]
         assert 0 < parts["bootstrap_s"] <= stages["cuda_init"]["start_s"] - restore["end_s"] + 0.001
-        # and what came between the device and the KV cache: the weight buffer, within that gap
+        # and what came between the device and the KV cache, within that gap: how late the engine's start came
+        # after the device, its way from there to the runner, and the weight buffer
         kv = stages["kv_cache"]
-        assert 0 <= kv["detail"]["weight_buffer_s"] <= kv["start_s"] - stages["cuda_init"]["end_s"] + 0.001
+        parts = [kv["detail"][k] for k in ("called_after_device_s", "device_to_runner_s", "weight_buffer_s")]
+        assert min(parts) >= 0 and sum(parts) <= kv["start_s"] - stages["cuda_init"]["end_s"] + 0.002
     finally:
         server.stop()
 
