@@ -71,19 +71,15 @@ def start(argv: Sequence[str], environ: Mapping[str, str] = os.environ, check: b
 
 
 def start_check() -> None:
-    """Begin the check of the image files of the restore `start` began, if it did not (the entry point
-    started without `site` begins it once `site` has run: the check hashes with xxhash)."""
-    global _unchecked
+    """Hash the image files of the restore `start` began against its manifest's digests on threads, from now,
+    if `start` did not (the entry point started without `site` calls this once `site` has run: the check hashes
+    with xxhash). With lazy pages the hand-over waits for this verdict rather than for CRIU, and the bootstrap
+    would begin it only after its imports. A check that cannot start is the bootstrap's to start."""
+    global _check, _unchecked
     unchecked, _unchecked = _unchecked, None
-    if unchecked is not None:
-        _start_check(*unchecked)
-
-
-def _start_check(kind: str, images: str, manifest: dict) -> None:
-    """Hash the image files against the manifest's digests on threads, from now: with lazy pages the hand-over
-    waits for this verdict rather than for CRIU, and the bootstrap would begin it only after its imports. A
-    check that cannot start is the bootstrap's to start."""
-    global _check
+    if unchecked is None:
+        return
+    kind, images, manifest = unchecked
     digests, hash = manifest.get("digests"), manifest.get("hash")
     if not (isinstance(digests, dict) and digests and isinstance(hash, str) and hash):
         return  # a snapshot without digests: the bootstrap refuses it

@@ -141,16 +141,20 @@ def _most_likely(logprobs: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Te
     return logprobs.max(dim=-1, keepdim=True) if n == 1 else logprobs.topk(n, dim=-1)
 
 
+def _greedy_unchanged(params: SamplingParams) -> bool:
+    """Greedy on the logits as the model gave them (no penalties, bias or grammar)."""
+    return params.greedy and not penalised(params) and not constrained(params)
+
+
 def _plain_greedy(params: SamplingParams) -> bool:
-    """Greedy, and nothing else reads or changes the logits (no penalties, bias, grammar or logprobs)."""
-    return params.greedy and params.logprobs is None and not penalised(params) and not constrained(params)
+    """Greedy on unchanged logits, and nothing else reads them (no logprobs)."""
+    return _greedy_unchanged(params) and params.logprobs is None
 
 
 def _greedy_logprob(params: SamplingParams) -> bool:
     """Greedy on unchanged logits, asking at most the chosen token's log-probability and the top one (what
     `greedy_with_logprob` gives: runtime/engine/kernels/sampling.py)."""
-    return (params.greedy and (params.logprobs or 0) <= 1 and not penalised(params)
-            and not constrained(params))
+    return _greedy_unchanged(params) and (params.logprobs or 0) <= 1
 
 
 def _mask_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
