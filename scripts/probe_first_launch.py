@@ -3,7 +3,7 @@
 A process restored from a process snapshot makes its CUDA context after the restore, so every kernel it launches
 is loaded then, at its first launch, from its library's module (lazy loading). This times, in order, the ops a
 greedy request with log-probabilities took through torch (a float copy, log_softmax, argmax, gather, max), those
-of sampling at a temperature, cuBLAS's first call and the projections of a 161-token prefill of Qwen2-1.5B's
+of sampling at a temperature, an index of the prefill's last row, cuBLAS's first call and the projections of a 161-token prefill of Qwen2-1.5B's
 shapes: each launched twice, synchronised, in milliseconds. Run it in a fresh process each time (the second run
 of an op in one process measures nothing):
 
@@ -66,6 +66,10 @@ def probe(vocab: int, hidden: int, intermediate: int, qkv: int, tokens: int) -> 
     run("exponential_", lambda: torch.empty_like(logits).exponential_(generator=generator))
     run("divide", lambda: logits / torch.tensor([0.8], device=device)[:, None])
     run("argmax (bf16)", lambda: logits_bf16.argmax(dim=-1))
+    # the prefill's last row picked by an index, as the engine did before it took a view
+    hidden_states = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16)
+    last = torch.tensor([tokens - 1], device=device)
+    run("index (last row)", lambda: hidden_states[last])
     # cuBLAS: its first call in the process, then a prefill's projections
     x = torch.randn(2, 256, device=device, dtype=torch.bfloat16)
     w = torch.randn(256, 256, device=device, dtype=torch.bfloat16)

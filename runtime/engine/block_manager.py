@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from array import array
 from collections import OrderedDict, deque
-from typing import Protocol
+from typing import Iterable, Protocol
 
 import xxhash
 
@@ -36,6 +36,36 @@ class KVCapacity(Protocol):
         now (at least USABLE)."""
 
 
+class _EmptyBlocks:
+    """Free blocks that hold nothing reusable, taken in the order they became free: first the blocks never
+    handed out, lowest first, kept as a range (a deque of every id of a large cache took 7-14 ms of each
+    start: Qwen2-1.5B's cache on an H200 has 285,043 blocks), then those given back since."""
+
+    def __init__(self, start: int, stop: int) -> None:
+        self._next, self._stop = start, stop
+        self._returned: deque[int] = deque()
+
+    def __len__(self) -> int:
+        return self._stop - self._next + len(self._returned)
+
+    def take(self) -> int:
+        if self._next < self._stop:
+            self._next += 1
+            return self._next - 1
+        return self._returned.popleft()
+
+    def put(self, block: int) -> None:
+        self._returned.append(block)
+
+    def put_all(self, blocks: Iterable[int]) -> None:
+        self._returned.extend(blocks)
+
+    def keep_below(self, keep: int) -> None:
+        """Forget the blocks from KEEP on."""
+        self._stop = max(self._next, min(self._stop, keep))
+        self._returned = deque(b for b in self._returned if b < keep)
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, reserved: int = 0, capacity: KVCapacity | None = None,
                  prefix_caching: bool = True) -> None:
@@ -46,7 +76,7 @@ class BlockManager:
         self._reserved = reserved
         self._capacity = capacity
         self._usable = num_blocks if capacity is None else reserved
-        self._empty: deque[int] = deque(range(reserved, self._usable))  # free, holding nothing reusable
+        self._empty = _EmptyBlocks(reserved, self._usable)  # free, holding nothing reusable
         self._evictable: OrderedDict[int, None] = OrderedDict()       # free and cached, least recently freed first
         self._refs = [0] * num_blocks
         self._key_of: dict[int, int] = {}         # cached block -> its key
@@ -133,12 +163,12 @@ class BlockManager:
             del self._evictable[block]
             del self._block_of[self._key_of.pop(block)]
             del self._tokens_of[block]
-        self._empty = deque(b for b in self._empty if b < keep)
+        self._empty.keep_below(keep)
         self._usable = keep
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (the blocks held stay held)."""
-        self._empty.extend(self._evictable)
+        self._empty.put_all(self._evictable)
         self._evictable.clear()
         self._block_of.clear()
         self._key_of.clear()
@@ -154,7 +184,7 @@ class BlockManager:
         if needed > self.num_free and self._capacity is not None:
             usable = self._capacity.grant(self._usable, needed - self.num_free)
             usable = min(usable, self.num_blocks + self._reserved)
-            self._empty.extend(range(self._usable, usable))
+            self._empty.put_all(range(self._usable, usable))
             self._usable = max(self._usable, usable)
         return needed <= self.num_free
 
@@ -169,7 +199,7 @@ class BlockManager:
 
     def _take(self) -> int:
         if self._empty:
-            block = self._empty.popleft()
+            block = self._empty.take()
         else:
             block, _ = self._evictable.popitem(last=False)
             del self._block_of[self._key_of.pop(block)]
@@ -186,7 +216,7 @@ class BlockManager:
                 if block in self._key_of:
                     self._evictable[block] = None
                 else:
-                    self._empty.append(block)
+                    self._empty.put(block)
         seq.block_table = []
         seq.block_keys = []
         seq.num_computed_tokens = 0

@@ -13,6 +13,7 @@ import queue
 import threading
 import time
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator, Callable, Protocol
@@ -30,6 +31,7 @@ from runtime.engine.engine_config import EngineConfig
 from runtime.engine.grammar import GrammarCompiler
 from runtime.engine.graph_gate import GraphGate, GraphWorkStopped
 from runtime.engine.layers.linear import pack_linears
+from runtime.engine.layers.rotary import rope_table
 from runtime.engine.model_config import ModelConfig
 from runtime.engine.model_runner import KVProfile, ModelRunner, PendingTokens
 from runtime.engine.models.llama import build_on_meta
@@ -157,10 +159,12 @@ class Engine:
             engine = cls(model_dir, model_config, tokenizer, config, load_weights, timeline,
                          model_name or model_dir.name)
         if config.on_cuda:
+            from runtime.cuda_driver import import_bindings
             from runtime.engine.kernels import prepare_kernels
 
             with timeline.stage(stages.KERNEL_PREP):
                 prepare_kernels()
+                import_bindings()
         if config.max_model_len and config.max_model_len > model_config.max_position_embeddings:
             raise ConfigError(f"MAX_MODEL_LEN={config.max_model_len}: must be at most the model's context, "
                               f"{model_config.max_position_embeddings} positions")
@@ -179,9 +183,11 @@ class Engine:
                 if ahead:  # the context's creation without the GIL: the thread that called this goes on
                     create_primary_context(device.index or 0)
                     detail = {"ahead": True, "context_s": round(time.time() - started, 4)}
+                torch_started = time.time()
                 use_device(device)
                 torch.cuda.init()
                 torch.empty(1, device=device)
+                detail["torch_s"] = round(time.time() - torch_started, 4)
             else:
                 torch.set_num_threads(self.config.cpu_threads or cpu_threads())
             self._device_span = (started, time.time(), detail)
@@ -200,6 +206,8 @@ class Engine:
         called = time.time()
         if graph_restorer is not None:
             graph_restorer.read_ahead()  # while CUDA initialises, which leaves the GIL free most of the time
+        # host work the KV stage would wait for (20-25 ms for 32k positions on the H200 machine): beside it too
+        rope = _in_background(rope_table, self.model_config, self.max_model_len) if self.config.on_cuda else None
         self.init_device()
         started, ended, detail = self._device_span
         t.record(stages.CUDA_INIT, started, ended, device=self.config.device, **detail)
@@ -221,7 +229,7 @@ class Engine:
         graphs_first = materialized and graphs and graph_restorer is not None and graph_restorer.before_weights
         if materialized:  # sized already: allocated before the weight readers pin their buffers and fill the
             # copy engines, which stretched this 0.02-0.03 s stage to 0.2-0.5 s when the two overlapped (H100)
-            kv_blocks = self._allocate_kv(runner, kv_blocks, releasable_memory, before_kv)
+            kv_blocks = self._allocate_kv(runner, kv_blocks, releasable_memory, before_kv, rope)
         if graphs_first:
             self._prepare_graphs(runner, graph_restorer)
         beside = materialized and graphs and not graphs_first  # no weight values needed: beside the stream
@@ -240,7 +248,7 @@ class Engine:
                     weights_stage.detail.update(packed)
                     runner.packed_steps = packed["packed_layers"] > 0 and packed["float_layers"] == 0
         if not materialized:
-            kv_blocks = self._allocate_kv(runner, kv_blocks, releasable_memory, before_kv)
+            kv_blocks = self._allocate_kv(runner, kv_blocks, releasable_memory, before_kv, rope)
             if graphs:
                 self._prepare_graphs(runner, graph_restorer)
         self.blocks = BlockManager(kv_blocks, self.config.block_size, reserved=runner.reserved_blocks,
@@ -275,11 +283,12 @@ class Engine:
         return runner.allocate_weights(self.plan, releasable), None
 
     def _allocate_kv(self, runner: ModelRunner, kv_blocks: int | None, releasable: bool,
-                     detail: dict | None = None) -> int:
+                     detail: dict | None = None, rope: Future | None = None) -> int:
         """The KV cache: `config.num_kv_blocks` if set, else `kv_blocks` (materialised), else profiled on
-        cuda or sized by memory on cpu. Returns its blocks. DETAIL: more for the stage's detail."""
+        cuda or sized by memory on cpu. Returns its blocks. DETAIL: more for the stage's detail; ROPE: the
+        rotary table, being computed."""
         with self.timeline.stage(stages.KV_CACHE, materialized=kv_blocks is not None, **(detail or {})) as kv_stage:
-            runner.allocate_static()
+            runner.allocate_static(rope.result() if rope is not None else None)
             if self.config.num_kv_blocks:
                 kv_blocks = self.config.num_kv_blocks
             elif kv_blocks is None and runner.device.type == "cuda":
@@ -625,3 +634,11 @@ def _deliver(request: _Request, item: RequestOutput | BaseException) -> None:
     except RuntimeError:  # the caller's event loop is gone; nobody is listening any more
         pass
 
+
+def _in_background(fn: Callable, *args) -> Future:
+    """FN(*ARGS) on a thread of its own, started now."""
+    pool = ThreadPoolExecutor(1, thread_name_prefix=fn.__name__)
+    try:
+        return pool.submit(fn, *args)
+    finally:
+        pool.shutdown(wait=False)

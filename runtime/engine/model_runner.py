@@ -21,7 +21,7 @@ from runtime.engine.engine_config import EngineConfig
 from runtime.engine.cpu.packed import MAX_TOKENS as MAX_PACKED_TOKENS
 from runtime.engine.cpu.threads import ops_on_one_thread
 from runtime.engine.kernels.shape_class import prefill_block_q
-from runtime.engine.layers.rotary import cos_sin_table, inverse_frequencies
+from runtime.engine.layers.rotary import rope_table
 from runtime.engine.model_config import ModelConfig
 from runtime.engine.models.llama import LlamaForCausalLM, bind_weights
 from runtime.engine.scheduler import ScheduledBatch
@@ -105,9 +105,10 @@ class ModelRunner:
         self.weight_buffer = buffer
         return buffer
 
-    def allocate_static(self) -> None:
-        c = self.model_config
-        table = cos_sin_table(self.max_model_len, inverse_frequencies(c.head_dim, c.rope_theta, c.rope_scaling))
+    def allocate_static(self, table: torch.Tensor | None = None) -> None:
+        """The rotary table (TABLE: computed already, on the host), the decode graphs' buffers, the attention's
+        scratch."""
+        table = table if table is not None else rope_table(self.model_config, self.max_model_len)
         self.cos_sin = self.allocator.alloc_tensor("rope_cos_sin", tuple(table.shape), torch.float32)
         self.cos_sin.copy_(table)
         if self.graph_batch_sizes:
@@ -390,6 +391,10 @@ class ModelRunner:
             hidden = self.model(ids_on_device, upload(positions, torch.int64), meta, self.kv_caches, self.cos_sin)
             if not last:  # only slices short of their prompts' ends: no logits wanted
                 return hidden[:0]
+            if last[-1] - last[0] == len(last) - 1:  # consecutive rows (one prompt's last): a view, where an
+                # index would launch one of torch's kernels, whose module a restored process loads at its
+                # first request
+                return self.model.compute_logits(hidden[last[0]:last[-1] + 1])
             return self.model.compute_logits(hidden[upload(last, torch.int64)])
 
     def _upload(self, values: list, dtype: torch.dtype) -> torch.Tensor:

@@ -15,17 +15,28 @@ def prepare_kernels() -> None:
     """The CPU half of the kernels' first launch, done ahead, so that in the engine's CPU phase it lands in
     the process snapshot: import Triton and the kernel modules, Triton's key of its own sources (it hashes
     every compiler file and libtriton, ~0.4 s, on the first compile of a process), its code generator, each
-    kernel's cache key (a walk over the kernel's syntax tree and everything it calls, on its first launch)
-    and where libcuda lives (an `ldconfig -p`). In a fresh process these are most of what a materialised
+    kernel's cache key (a walk over the kernel's syntax tree and everything it calls, on its first launch),
+    what Triton asks of two programs it runs (`file`, `ptxas --version`) and where libcuda lives (an
+    `ldconfig -p`). In a fresh process these are most of what a materialised
     graph restore spends resolving kernels (docs/snapshots.md)."""
     modules = [importlib.import_module(name) for name in KERNEL_MODULES]
     try:
+        from triton import knobs
         from triton.backends.nvidia.driver import libcuda_dirs
+        from triton.runtime.build import platform_key
         from triton.runtime.cache import triton_key
         from triton.runtime.jit import JITFunction
     except ImportError:  # another Triton version: its first compile pays for these
         return
     triton_key()
+    # two programs Triton runs once a process, at its first launch: `file` on the interpreter (the key of its
+    # compiled helper modules) and `ptxas --version` (found with the compiler's tool): 20-30 ms of a
+    # restored runtime's first launch on the H200, kept by Triton once asked
+    platform_key()
+    try:
+        knobs.nvidia.ptxas  # noqa: B018 - finds the tool and its version once, then cached by path
+    except RuntimeError:  # no ptxas in this install: a compile would fail anyway, and says why then
+        pass
     # Triton's first launch in a process also imports its code generator, and with it Gluon's language
     # modules: 0.4 s of the H100 machine's materialised kernel resolution (cProfile, Qwen2-1.5B)
     importlib.import_module("triton.compiler.code_generator")

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from runtime.engine.model_config import RopeScaling
+from runtime.engine.model_config import ModelConfig, RopeScaling
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
@@ -23,6 +23,11 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None
     blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
     medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
     return torch.where(medium, blended, scaled)
+
+
+def rope_table(c: ModelConfig, max_positions: int) -> torch.Tensor:
+    """The model's cos/sin table for MAX_POSITIONS positions, on the host."""
+    return cos_sin_table(max_positions, inverse_frequencies(c.head_dim, c.rope_theta, c.rope_scaling))
 
 
 def cos_sin_table(max_positions: int, inv_freq: torch.Tensor) -> torch.Tensor:
