@@ -244,7 +244,7 @@ class Settings:
         "ASYNC_SCHEDULING", _bool, True,
         "launch each decode step before reading the last one's tokens (off: one step at a time)")
     graphs_before_ready: int = _setting(
-        "GRAPHS_BEFORE_READY", _positive_int, 8,
+        "GRAPHS_BEFORE_READY", _positive_int, 1,
         "materialized restores: the largest decode batch size whose CUDA graph is rebuilt before the server is "
         "ready; larger ones are rebuilt in the background right after, and a batch that finds its graph not "
         "rebuilt yet runs on a larger one or eagerly (256: every graph before ready)")
