@@ -206,7 +206,7 @@ class Engine:
         called = time.time()
         if graph_restorer is not None:
             graph_restorer.read_ahead()  # while CUDA initialises, which leaves the GIL free most of the time
-        # host work the KV stage would wait for (20-25 ms for 32k positions on the H200 machine): beside it too
+        # host work the KV stage would wait for (about 5 ms for 32k positions on the H200 machine): beside it too
         rope = _in_background(rope_table, self.model_config, self.max_model_len) if self.config.on_cuda else None
         self.init_device()
         started, ended, detail = self._device_span
