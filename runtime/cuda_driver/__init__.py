@@ -21,7 +21,8 @@ def bindings_installed() -> bool:
 def import_bindings() -> None:
     """Import cuda-bindings' driver module where it is cheap: in the engine's CPU phase, which a process
     snapshot holds, not at the device phase's first driver call (17-30 ms of a restored runtime's start on
-    the H200 machine: its extension module's set-up and enums). The import neither loads nor initialises the driver."""
+    the H200 machine: its extension module's set-up and enums). The import neither loads nor initialises
+    the driver."""
     if bindings_installed():
         from cuda.bindings import driver  # noqa: F401
 
