@@ -4,8 +4,8 @@ A process restored from a process snapshot makes its CUDA context after the rest
 is loaded then, at its first launch, from its library's module (lazy loading). This times, in order, the ops a
 greedy request with log-probabilities took through torch (a float copy, log_softmax, argmax, gather, max), those
 of sampling at a temperature, an index of the prefill's last row, cuBLAS's first call and the projections of a
-161-token prefill of Qwen2-1.5B's shapes: each launched twice, synchronised, in milliseconds. Run it in a fresh process each time (the second run
-of an op in one process measures nothing):
+161-token prefill of Qwen2-1.5B's shapes: each launched twice, synchronised, in milliseconds. Run it in a fresh
+process each time (the second run of an op in one process measures nothing):
 
     python scripts/probe_first_launch.py --out first-launch-h200.json
 """
