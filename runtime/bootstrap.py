@@ -84,6 +84,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         state = AppState(Timeline(), model_names=[m.name for m in settings.models])
     else:
         state = AppState(Timeline(), model_name=served_model_name(settings))
+    if settings.profile_start is not None:
+        from runtime.start_profile import StartProfile
+
+        try:
+            StartProfile(settings.profile_start, state.timeline).start()
+        except OSError as exc:  # a diagnostic: never what keeps the function from serving
+            log.warning("PROFILE_START=%s: cannot write a profile there (%s); starting without one",
+                        settings.profile_start, exc)
     app = build_app(state, [health.handler, handler], settings.api_key,
                     int(settings.max_request_mb * 2**20))
 

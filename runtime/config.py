@@ -303,6 +303,10 @@ class Settings:
         "several models on cpu: host memory pools standing for that many GPUs (tests and benchmarks of PLACEMENT)")
     log_level: str = _setting(
         "LOG_LEVEL", _choice("debug", "info", "warning", "error"), "info", "debug, info, warning or error")
+    profile_start: Path | None = _setting(
+        "PROFILE_START", _optional_path, None,
+        "a folder: each start writes there a sampled profile of its threads' stacks until its first token "
+        "(scripts/read_start_profile.py prints it; the sampling slows the start it profiles)")
 
     @classmethod
     def fields(cls) -> list[dataclasses.Field]:
