@@ -17,8 +17,8 @@ def prepare_kernels() -> None:
     every compiler file and libtriton, ~0.4 s, on the first compile of a process), its code generator, each
     kernel's cache key (a walk over the kernel's syntax tree and everything it calls, on its first launch),
     what Triton asks of two programs it runs (`file`, `ptxas --version`) and where libcuda lives (an
-    `ldconfig -p`). In a fresh process these are most of what a materialised
-    graph restore spends resolving kernels (docs/snapshots.md)."""
+    `ldconfig -p`). In a fresh process these are most of what a materialised graph restore spends resolving
+    kernels (docs/snapshots.md)."""
     modules = [importlib.import_module(name) for name in KERNEL_MODULES]
     try:
         from triton import knobs
@@ -29,9 +29,10 @@ def prepare_kernels() -> None:
     except ImportError:  # another Triton version: its first compile pays for these
         return
     triton_key()
-    # two programs Triton runs once a process, at its first launch: `file` on the interpreter (the key of its
-    # compiled helper modules) and `ptxas --version` (found with the compiler's tool): 20-30 ms of a
-    # restored runtime's first launch on the H200, kept by Triton once asked
+    # programs Triton runs once a process, at its first launch: `file` on the interpreter (the key of its
+    # compiled helper modules) and `ptxas --version` (to find the tool; it asks once more per GPU
+    # architecture, which needs the device): 20-30 ms of a restored runtime's first launch on the H200
+    # machine, kept by Triton once asked
     platform_key()
     try:
         knobs.nvidia.ptxas  # noqa: B018 - finds the tool and its version once, then cached by path
