@@ -70,10 +70,7 @@ class StartProfile:
                         names.setdefault(ident, str(ident % 100000))  # not one of threading's
                     samples.append([at, names[ident], self._stack_id(frame, lines)])
                 time.sleep(INTERVAL_S)
-            timeline = [{"stage": s.name, "start_s": round(s.start - self._timeline.origin, 5),
-                         "end_s": None if s.end is None else round(s.end - self._timeline.origin, 5)}
-                        for s in self._timeline.stages()]
-            _append(out, lines + [{"samples": samples}, {"stages": timeline}])
+            _append(out, lines + [{"samples": samples}, {"stages": self._timeline.as_json()}])
 
     def _stack_id(self, frame, lines: list[dict]) -> int:
         frames = []

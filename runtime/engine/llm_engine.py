@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 import uuid
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator, Callable, Protocol
@@ -21,6 +21,7 @@ from typing import AsyncIterator, Callable, Protocol
 import torch
 
 from runtime import timeline as stages
+from runtime.background import in_background
 from runtime.config import ConfigError
 from runtime.engine.allocator import MemoryProvider
 from runtime.engine.block_manager import BlockManager
@@ -207,7 +208,8 @@ class Engine:
         if graph_restorer is not None:
             graph_restorer.read_ahead()  # while CUDA initialises, which leaves the GIL free most of the time
         # host work the KV stage would wait for (about 5 ms for 32k positions on the H200 machine): beside it too
-        rope = _in_background(rope_table, self.model_config, self.max_model_len) if self.config.on_cuda else None
+        rope = (in_background(rope_table, self.model_config, self.max_model_len, name="rope-table")
+                if self.config.on_cuda else None)
         self.init_device()
         started, ended, detail = self._device_span
         t.record(stages.CUDA_INIT, started, ended, device=self.config.device, **detail)
@@ -633,12 +635,3 @@ def _deliver(request: _Request, item: RequestOutput | BaseException) -> None:
         request.loop.call_soon_threadsafe(request.outputs.put_nowait, item)
     except RuntimeError:  # the caller's event loop is gone; nobody is listening any more
         pass
-
-
-def _in_background(fn: Callable, *args) -> Future:
-    """FN(*ARGS) on a thread of its own, started now."""
-    pool = ThreadPoolExecutor(1, thread_name_prefix=fn.__name__)
-    try:
-        return pool.submit(fn, *args)
-    finally:
-        pool.shutdown(wait=False)

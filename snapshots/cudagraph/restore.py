@@ -14,7 +14,7 @@ from __future__ import annotations
 import ctypes
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from ctypes import POINTER, c_size_t, c_void_p
 from pathlib import Path
 from typing import Callable
@@ -22,6 +22,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from runtime.background import in_background
 from runtime.cuda_driver import graphs as cu
 from runtime.engine.model_runner import ModelRunner
 from runtime.logs import get_logger
@@ -82,9 +83,8 @@ class MaterializedGraphs:
     def read_ahead(self) -> None:
         """Read the description on a thread, parsing the graphs of the sizes up to the limit."""
         if self._reading is None:
-            pool = ThreadPoolExecutor(1, thread_name_prefix="graphs-read")
-            self._reading = pool.submit(_read_description, self.directory, self.before_ready_up_to)
-            pool.shutdown(wait=False)
+            self._reading = in_background(_read_description, self.directory, self.before_ready_up_to,
+                                          name="graphs-read")
 
     def restore(self, runner: ModelRunner) -> dict[int, str]:
         wanted = set(runner.graph_batch_sizes)
