@@ -55,6 +55,17 @@ def test_a_dropped_layout_is_read_back_into_the_page_cache(layout):
     assert cached_fraction(paths) == 1.0
 
 
+def test_a_restores_image_files_are_read_before_the_weights(layout, tmp_path):
+    paths = weight_files(layout)
+    image = tmp_path / "pages-1.img"
+    image.write_bytes(os.urandom(3 * prefetch.READ_BYTES + 12345))  # several pieces, the last one short
+    drop_from_page_cache([*paths, str(image)])
+    started = prefetch.start(str(layout), first=[(str(image), image.stat().st_size)])
+    assert started is not None and started.join(30) and started.error is None
+    assert started.first_bytes == image.stat().st_size
+    assert cached_fraction([str(image)]) == 1.0 and cached_fraction(paths) == 1.0
+
+
 def test_what_is_not_prefetched_and_why(layout, tiny_model, monkeypatch):
     paths = weight_files(layout)
     drop_from_page_cache(paths)
