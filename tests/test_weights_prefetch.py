@@ -66,6 +66,28 @@ def test_a_restores_image_files_are_read_before_the_weights(layout, tmp_path):
     assert cached_fraction([str(image)]) == 1.0 and cached_fraction(paths) == 1.0
 
 
+def test_the_prefetch_reads_in_the_idle_io_class():
+    """Every other read of a start (CRIU's, the bootstrap's imports) goes first where the disk's scheduler has
+    classes: asked of the kernel for the thread that read."""
+    import ctypes
+    import threading
+
+    if os.uname().machine != "x86_64":
+        pytest.skip("ioprio_get's number is checked on x86_64")
+    libc = ctypes.CDLL(None, use_errno=True)
+    seen = []
+
+    def reader():
+        seen.append(prefetch.idle_io())
+        seen.append(libc.syscall(252, 1, 0))  # ioprio_get(IOPRIO_WHO_PROCESS, this thread)
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    thread.join()
+    assert seen[0] is True and seen[1] >> 13 == prefetch.IOPRIO_CLASS_IDLE
+    assert libc.syscall(252, 1, 0) >> 13 != prefetch.IOPRIO_CLASS_IDLE  # the thread's alone, not this one's
+
+
 def test_what_is_not_prefetched_and_why(layout, tiny_model, monkeypatch):
     paths = weight_files(layout)
     drop_from_page_cache(paths)
