@@ -115,6 +115,9 @@ def _local_manifest(layout_dir: Path):
     missing = [f.name for f in manifest.files if not (layout_dir / f.name).is_file()]
     if missing:
         raise ValueError(f"{len(missing)} weight files are not on local disk (e.g. {missing[0]})")
+    from runtime.weights.idle_io import idle_io
+
+    idle_io()  # the readers READERS.start makes are in the class too
     READERS.start(readers_for(manifest, LoaderOptions()))  # while none runs: before the CUDA context
     return manifest
 

@@ -66,26 +66,35 @@ def test_a_restores_image_files_are_read_before_the_weights(layout, tmp_path):
     assert cached_fraction([str(image)]) == 1.0 and cached_fraction(paths) == 1.0
 
 
-def test_the_prefetch_reads_in_the_idle_io_class():
+def test_the_weights_are_read_in_the_idle_io_class():
     """Every other read of a start (CRIU's, the bootstrap's imports) goes first where the disk's scheduler has
-    classes: asked of the kernel for the thread that read."""
+    classes: asked of the kernel for a thread in the class and one it made (runtime/weights/idle_io.py)."""
     import ctypes
     import threading
+
+    from runtime.weights.idle_io import IOPRIO_CLASS_IDLE, IOPRIO_CLASS_SHIFT, idle_io
 
     if os.uname().machine != "x86_64":
         pytest.skip("ioprio_get's number is checked on x86_64")
     libc = ctypes.CDLL(None, use_errno=True)
     seen = []
 
-    def reader():
-        seen.append(prefetch.idle_io())
+    def made_by_it():
         seen.append(libc.syscall(252, 1, 0))  # ioprio_get(IOPRIO_WHO_PROCESS, this thread)
+
+    def reader():
+        seen.append(idle_io())
+        seen.append(libc.syscall(252, 1, 0))
+        child = threading.Thread(target=made_by_it)  # as the helper's readers are made
+        child.start()
+        child.join()
 
     thread = threading.Thread(target=reader)
     thread.start()
     thread.join()
-    assert seen[0] is True and seen[1] >> 13 == prefetch.IOPRIO_CLASS_IDLE
-    assert libc.syscall(252, 1, 0) >> 13 != prefetch.IOPRIO_CLASS_IDLE  # the thread's alone, not this one's
+    assert seen[0] is True
+    assert [value >> IOPRIO_CLASS_SHIFT for value in seen[1:]] == [IOPRIO_CLASS_IDLE, IOPRIO_CLASS_IDLE]
+    assert libc.syscall(252, 1, 0) >> IOPRIO_CLASS_SHIFT != IOPRIO_CLASS_IDLE  # the thread's, not this one's
 
 
 def test_what_is_not_prefetched_and_why(layout, tiny_model, monkeypatch):

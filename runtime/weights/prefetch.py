@@ -9,10 +9,9 @@ waits for the same read rather than starting another. Nothing waits for the pref
 
 Everything else a start reads from that disk is small and waited for: CRIU's image and the files it opens,
 the bootstrap's imports, the restored runtime's libraries. Behind the prefetch's large reads each waits its
-turn, and from cold disk CRIU took 4.3-4.7 s of Llama-3-8B's start on the H200 machine. So the readers ask
-for the idle I/O class (`idle_io`): a scheduler with classes (mq-deadline, BFQ) serves the others first, and
-the prefetch has the disk whenever they leave it. A restore's image files go first, in pieces small enough
-that every reader takes part.
+turn: from cold disk CRIU took 4.4-5.4 s of Llama-3-8B's start on the H200 machine. So the readers are in the
+idle I/O class (runtime/weights/idle_io.py), as the weights' helper is: with it CRIU took 1.5-1.6 s. A
+restore's image files go first, in pieces small enough that every reader takes part.
 
 It is left out where it cannot help: the weights in the page cache already (runtime/weights/residency.py, or
 a kernel that cannot say), more of them than the memory available (they would evict each other), a model
@@ -28,6 +27,8 @@ import json
 import os
 import threading
 import time
+
+from runtime.weights.idle_io import idle_io
 
 #: threads reading at once. faas-bench's parallel read of Llama-3-8B's 14.96 GiB from cold disk on the H200
 #: machine is about as fast with 8 as with 16; with 16 (the image read first) CRIU took 8.2-9.3 s of the start
@@ -121,24 +122,6 @@ class Prefetch:
         for thread in self._threads:
             thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         return self.ended is not None
-
-
-#: ioprio_set(2) by machine; the idle class (3) in the value's top bits, IOPRIO_WHO_PROCESS (1) with 0: this thread
-_IOPRIO_SET = {"x86_64": 251, "aarch64": 30}
-IOPRIO_CLASS_IDLE = 3
-_IOPRIO_CLASS_SHIFT = 13
-
-
-def idle_io() -> bool:
-    """Put the calling thread's disk reads in the idle I/O class; False where the kernel refused or the machine
-    is not known. Needs no privilege."""
-    machine = os.uname().machine
-    if machine not in _IOPRIO_SET:
-        return False
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    return libc.syscall(_IOPRIO_SET[machine], 1, 0, IOPRIO_CLASS_IDLE << _IOPRIO_CLASS_SHIFT) == 0
 
 
 def _pieces(files: list[tuple[str, int]], piece_bytes: int) -> list[tuple[str, int, int]]:
