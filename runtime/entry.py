@@ -1,8 +1,7 @@
 """faas-bootstrap's entry point (the container's ENTRYPOINT): starts the restore of the CRIU snapshot the
 bootstrap would restore first (snapshots/early_restore.py says why and what makes it safe), then the reading
-of the weights into the page cache where they are not there, that restore's image files first
-(runtime/weights/prefetch.py), then imports the bootstrap and runs it. `python -m runtime.bootstrap` runs the
-same start without either.
+of the weights into the page cache where they are not there (runtime/weights/prefetch.py), then imports the
+bootstrap and runs it. `python -m runtime.bootstrap` runs the same start without either.
 
 The image runs it without `site` (its `faas-bootstrap` is a script run by `python3 -S`; the bench starts
 `python3 -S -m runtime.entry`): the interpreter starts without reading site-packages' `.pth` files and running
@@ -30,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
         if early_flag(argv, os.environ, "PREFETCH_WEIGHTS"):
             from runtime.weights import prefetch
 
-            prefetch.start(setting(argv, os.environ, "MODEL"), first=early_restore.image_files())
+            prefetch.start(setting(argv, os.environ, "MODEL"))
     if sys.flags.no_site:
         import site
 

@@ -41,15 +41,13 @@ _kind: str | None = None
 _check: "Verification | None" = None
 #: what that check needs, while `start_check` has not begun it
 _unchecked: tuple[str, str, dict] | None = None
-#: the image files (path, bytes) of the restore `start` began
-_image_files: list[tuple[str, int]] = []
 
 
 def start(argv: Sequence[str], environ: Mapping[str, str] = os.environ, check: bool = True) -> str | None:
     """Start restoring the snapshot the bootstrap would restore first, if there is one to restore, and
     unless CHECK is False the check of its image files (`start_check` begins it then); returns its kind.
     Never raises: without an early restore the bootstrap restores as it always did."""
-    global _running, _kind, _unchecked, _image_files
+    global _running, _kind, _unchecked
     try:
         kind = first_kind(argv, environ)
         criu = environ.get(CRIU_ENV) or INSTALLED_CRIU
@@ -65,17 +63,11 @@ def start(argv: Sequence[str], environ: Mapping[str, str] = os.environ, check: b
         _running = RestoreRun(criu, images, (*CRIU_OPTIONS, *kind_options(kind, lazy)))
         _kind = kind
         _unchecked = (kind, images, manifest)
-        _image_files = [(os.path.join(images, name), size) for name, size in manifest["files"].items()]
         if check:
             start_check()
         return kind
     except Exception:  # noqa: BLE001 - the bootstrap's own restore reports what is wrong
         return None
-
-
-def image_files() -> list[tuple[str, int]]:
-    """The image files (path, bytes) of the restore `start` began; none if it began none."""
-    return list(_image_files)
 
 
 def start_check() -> None:

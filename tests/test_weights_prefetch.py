@@ -55,48 +55,6 @@ def test_a_dropped_layout_is_read_back_into_the_page_cache(layout):
     assert cached_fraction(paths) == 1.0
 
 
-def test_a_restores_image_files_are_read_before_the_weights(layout, tmp_path):
-    paths = weight_files(layout)
-    image = tmp_path / "pages-1.img"
-    image.write_bytes(os.urandom(3 * prefetch.READ_BYTES + 12345))  # several pieces, the last one short
-    drop_from_page_cache([*paths, str(image)])
-    started = prefetch.start(str(layout), first=[(str(image), image.stat().st_size)])
-    assert started is not None and started.join(30) and started.error is None
-    assert started.first_bytes == image.stat().st_size
-    assert cached_fraction([str(image)]) == 1.0 and cached_fraction(paths) == 1.0
-
-
-def test_the_weights_are_read_in_the_idle_io_class():
-    """Every other read of a start (CRIU's, the bootstrap's imports) goes first where the disk's scheduler has
-    classes: asked of the kernel for a thread in the class and one it made (runtime/weights/idle_io.py)."""
-    import ctypes
-    import threading
-
-    from runtime.weights.idle_io import IOPRIO_CLASS_IDLE, IOPRIO_CLASS_SHIFT, idle_io
-
-    if os.uname().machine != "x86_64":
-        pytest.skip("ioprio_get's number is checked on x86_64")
-    libc = ctypes.CDLL(None, use_errno=True)
-    seen = []
-
-    def made_by_it():
-        seen.append(libc.syscall(252, 1, 0))  # ioprio_get(IOPRIO_WHO_PROCESS, this thread)
-
-    def reader():
-        seen.append(idle_io())
-        seen.append(libc.syscall(252, 1, 0))
-        child = threading.Thread(target=made_by_it)  # as the helper's readers are made
-        child.start()
-        child.join()
-
-    thread = threading.Thread(target=reader)
-    thread.start()
-    thread.join()
-    assert seen[0] is True
-    assert [value >> IOPRIO_CLASS_SHIFT for value in seen[1:]] == [IOPRIO_CLASS_IDLE, IOPRIO_CLASS_IDLE]
-    assert libc.syscall(252, 1, 0) >> IOPRIO_CLASS_SHIFT != IOPRIO_CLASS_IDLE  # the thread's, not this one's
-
-
 def test_what_is_not_prefetched_and_why(layout, tiny_model, monkeypatch):
     paths = weight_files(layout)
     drop_from_page_cache(paths)

@@ -7,12 +7,6 @@ imported (seconds). Read into the page cache at once, READERS threads at a time 
 order every stream reads them in), they are there when the stream comes, or being read: the kernel then
 waits for the same read rather than starting another. Nothing waits for the prefetch itself.
 
-Everything else a start reads from that disk is small and waited for: CRIU's image and the files it opens,
-the bootstrap's imports, the restored runtime's libraries. Behind the prefetch's large reads each waits its
-turn: from cold disk CRIU took 4.4-5.4 s of Llama-3-8B's start on the H200 machine. So the readers are in the
-idle I/O class (runtime/weights/idle_io.py), as the weights' helper is: with it CRIU took 1.5-1.6 s. A
-restore's image files go first, in pieces small enough that every reader takes part.
-
 It is left out where it cannot help: the weights in the page cache already (runtime/weights/residency.py, or
 a kernel that cannot say), more of them than the memory available (they would evict each other), a model
 that is not a local faas-build layout.
@@ -28,11 +22,7 @@ import os
 import threading
 import time
 
-from runtime.weights.idle_io import idle_io
-
-#: threads reading at once. faas-bench's parallel read of Llama-3-8B's 14.96 GiB from cold disk on the H200
-#: machine is about as fast with 8 as with 16; with 16 (the image read first) CRIU took 8.2-9.3 s of the start
-#: instead of 4.4-4.7 s with 8
+#: threads reading at once: the disk's parallel read rate on the GPU machine peaks at 8-16
 READERS = 8
 #: what one thread reads before it takes the next piece, and how much at a time
 PIECE_BYTES = 64 << 20
@@ -42,18 +32,16 @@ MEMORY_SHARE = 0.8
 
 
 class Prefetch:
-    """READERS threads reading FILES ((path, size), in order) into the page cache, piece by piece, FIRST's
-    files before them in pieces of READ_BYTES."""
+    """READERS threads reading FILES ((path, size), in order) into the page cache, piece by piece."""
 
-    def __init__(self, files: list[tuple[str, int]], readers: int = READERS,
-                 first: list[tuple[str, int]] = ()) -> None:
+    def __init__(self, files: list[tuple[str, int]], readers: int = READERS) -> None:
         self.readers = readers
         self.bytes = sum(size for _, size in files)
-        self.first_bytes = sum(size for _, size in first)
         self.started = time.time()
         self.ended: float | None = None
         self.error: str | None = None
-        self._pieces = iter(_pieces(first, READ_BYTES) + _pieces(files, PIECE_BYTES))
+        self._pieces = iter([(path, offset, min(PIECE_BYTES, size - offset))
+                             for path, size in files for offset in range(0, size, PIECE_BYTES)])
         self._lock = threading.Lock()
         self._running = readers
         self._announced = False  # logging is set up after the prefetch starts
@@ -65,7 +53,6 @@ class Prefetch:
     def _read(self) -> None:
         buffer = bytearray(READ_BYTES)
         fds: dict[str, int] = {}
-        idle_io()
         try:
             while True:
                 with self._lock:
@@ -98,9 +85,8 @@ class Prefetch:
         """Log that it runs, once logging is set up; and how it went, now if it is over, else when it is."""
         from runtime.logs import get_logger
 
-        first = f"the restore's image files ({self.first_bytes / 2**20:.0f} MiB), then " if self.first_bytes else ""
-        get_logger("weights.prefetch").info("weights prefetch: reading %s%.2f GiB into the page cache with %d threads",
-                                            first, self.bytes / 2**30, self.readers)
+        get_logger("weights.prefetch").info("weights prefetch: reading %.2f GiB into the page cache with %d threads",
+                                            self.bytes / 2**30, self.readers)
         with self._lock:
             self._announced = True
             over = self.ended is not None
@@ -111,10 +97,9 @@ class Prefetch:
         from runtime.logs import get_logger  # imported by the bootstrap long before a prefetch ends
 
         seconds = self.ended - self.started
-        total = self.bytes + self.first_bytes
         get_logger("weights.prefetch").info(
-            "weights prefetch: %.2f GiB in the page cache %.2f s after it began (%.2f GiB/s)%s", total / 2**30,
-            seconds, total / 2**30 / max(seconds, 1e-6), f"; stopped: {self.error}" if self.error else "")
+            "weights prefetch: %.2f GiB in the page cache %.2f s after it began (%.2f GiB/s)%s", self.bytes / 2**30,
+            seconds, self.bytes / 2**30 / max(seconds, 1e-6), f"; stopped: {self.error}" if self.error else "")
 
     def join(self, timeout: float | None = None) -> bool:
         """Whether every thread has finished (within TIMEOUT)."""
@@ -122,11 +107,6 @@ class Prefetch:
         for thread in self._threads:
             thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         return self.ended is not None
-
-
-def _pieces(files: list[tuple[str, int]], piece_bytes: int) -> list[tuple[str, int, int]]:
-    return [(path, offset, min(piece_bytes, size - offset))
-            for path, size in files for offset in range(0, size, piece_bytes)]
 
 
 def layout_files(model: str) -> list[tuple[str, int]] | None:
@@ -186,16 +166,15 @@ current: Prefetch | None = None
 skipped: str | None = None
 
 
-def start(model: str | None, first: list[tuple[str, int]] = ()) -> Prefetch | None:
-    """Start prefetching MODEL's weights (`current`), FIRST's files (path, bytes) before them, else say why not
-    (`skipped`). Never raises."""
+def start(model: str | None) -> Prefetch | None:
+    """Start prefetching MODEL's weights (`current`), else say why not (`skipped`). Never raises."""
     global current, skipped
     current = skipped = None
     try:
         files = layout_files(model or "")
         skipped = "not a local faas-build layout" if files is None else why_not(files)
         if skipped is None:
-            current = Prefetch(files, first=list(first))
+            current = Prefetch(files)
     except Exception as exc:  # noqa: BLE001 - the weights are read by whoever streams them, as without it
         skipped = f"{type(exc).__name__}: {exc}"
     return current

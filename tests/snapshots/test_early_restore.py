@@ -108,11 +108,6 @@ def test_a_restore_started_early_and_not_taken_is_undone(process_snapshot):
     process is killed once CRIU is done, and nothing of it is left."""
     env = {"SNAPSHOT_DIR": str(process_snapshot), "RESTORE": "process", "LAZY_PAGES": "0"}
     assert early_restore.start([], env) == "process"
-    # what the entry point's prefetch reads first: every file CRIU restores from, at its size
-    images = process_snapshot / "process" / IMAGES
-    assert sorted(early_restore.image_files()) == sorted((str(f), f.stat().st_size) for f in images.iterdir()
-                                                         if f.name in SnapshotImage.read(process_snapshot / "process")
-                                                         .files)
     criu = find_criu()
     running = early_restore.take("process", criu.path, process_snapshot / "process" / IMAGES, list(CRIU_OPTIONS))
     assert running is not None and early_restore.take("process", criu.path, "/elsewhere", []) is None
