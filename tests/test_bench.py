@@ -51,6 +51,9 @@ def test_coldstart_times_every_mode_that_runs_on_cpu(coldstart):
         summary = modes[mode]["summary"]["spawn_to_first_token_s"]
         assert summary["min"] == summary["median"] == summary["max"] == run["spawn_to_first_token_s"]
     assert modes["cold"]["runs"][0]["restore_path"] == "cold"
+    for mode in ("cold", "transformers"):  # what each start read from disk: counted, whatever the page cache
+        assert modes[mode]["runs"][0]["disk_read_bytes"] >= 0
+    assert "read from disk" not in stdout  # a column for starts from a dropped page cache only
 
 
 def test_coldstart_reports_modes_without_a_snapshot_as_skipped_with_the_servers_reason(coldstart):
@@ -260,6 +263,43 @@ def test_the_disk_read_reference_reads_every_byte_of_the_model_or_says_why_not(t
     else:
         assert isinstance(measured, DiskRead) and measured.bytes == sum(sizes)
         assert set(measured.seconds) == {1, 2} and measured.best_s == min(measured.seconds.values())
+
+
+def test_what_a_start_reads_from_disk_is_counted(tmp_path):
+    """The kernel's count of bytes read from the machine's disks grows by at least a file read from disk."""
+    import os
+
+    from runtime.bench.disk_read import bytes_read_from_disks
+    from runtime.weights.residency import cached_fraction
+
+    if not bytes_read_from_disks():
+        pytest.skip("no physical disk in /sys/block, or no /proc/diskstats")
+    path = tmp_path / "weights.bin"
+    path.write_bytes(os.urandom(16 << 20))
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    if (cached_fraction([str(path)]) or 0.0) > 0.1:
+        pytest.skip("this machine's page cache keeps the file after POSIX_FADV_DONTNEED")
+    before = bytes_read_from_disks()
+    assert len(path.read_bytes()) == 16 << 20
+    assert bytes_read_from_disks() - before >= 16 << 20
+
+
+def test_the_coldstart_table_says_what_starts_from_a_dropped_page_cache_read(tmp_path):
+    from runtime.bench.records import ModeResult, StartRun
+    from runtime.bench.report import coldstart_json, coldstart_table
+
+    def start(first_token_s: float, read: int | None) -> StartRun:
+        return StartRun("process", "process", first_token_s - 0.1, first_token_s, [], 161, "dropped", read)
+
+    runs = [start(9.9, 16 << 30), start(10.0, 17 << 30), start(10.2, None)]
+    table = coldstart_table([ModeResult("process", runs=runs)])
+    head, _, row = table.splitlines()
+    assert "read from disk (GiB)" in head and "| 16.50 |" in row  # the median of the runs that counted
+    summary = coldstart_json([ModeResult("process", runs=runs)], {})["modes"]["process"]["summary"]
+    assert summary["disk_read_gib"] == {"median": 16.5, "min": 16.0, "max": 17.0}
 
 
 def test_replot_draws_a_committed_runs_figure_from_its_json_and_refuses_bad_input(tmp_path):

@@ -13,6 +13,7 @@ import httpx
 
 from runtime.bench import BenchError
 from runtime.bench.client import stream_completion
+from runtime.bench.disk_read import bytes_read_from_disks
 from runtime.bench.hf_baseline import run_baseline, unavailable_reason
 from runtime.bench.instance import Instance, ModeUnavailable, child_environment
 from runtime.bench.page_cache import drop_page_cache, warm_page_cache
@@ -56,6 +57,7 @@ async def run_coldstart(plan: ColdStartPlan) -> list[ModeResult]:
                 page_cache = _prepare_page_cache(plan.page_cache)
                 log.info("coldstart: %s, run %d/%d (page cache %s)", mode, rep + 1, plan.repeat, page_cache)
                 log_path = plan.log_dir / f"{mode}-{rep + 1}.log"
+                read_before = bytes_read_from_disks()
                 try:
                     if mode == BASELINE_MODE:
                         run = await run_baseline(plan.baseline_model or plan.model,
@@ -69,6 +71,9 @@ async def run_coldstart(plan: ColdStartPlan) -> list[ModeResult]:
                 except BenchError as exc:
                     results[mode] = ModeResult(mode, "failed", str(exc), result.runs)
                 else:
+                    read_after = bytes_read_from_disks()
+                    if read_before is not None and read_after is not None:
+                        run.disk_read_bytes = read_after - read_before
                     result.runs.append(run)
     return list(results.values())
 

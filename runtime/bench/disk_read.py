@@ -1,8 +1,12 @@
-"""The disk's parallel read rate over a model's files: what a start from cold disk is held against.
+"""The disk's parallel read rate over a model's files: what a start from cold disk is held against; and what a
+start read from the machine's disks.
 
 `read_files` is the plain parallel read (N threads, preadv of 64 MiB pieces into reused buffers, the data
 thrown away); `measure_disk_read` drops the page cache before each thread count it tries and keeps the
-fastest, so that the reference is the disk's best rate on that machine, not one guess of it."""
+fastest, so that the reference is the disk's best rate on that machine, not one guess of it.
+`bytes_read_from_disks` is the kernel's count of bytes read from the machine's physical disks: taken before
+and after a start, everything the start read (its weights, CRIU's image, the libraries' pages), and whatever
+else the machine read meanwhile."""
 
 from __future__ import annotations
 
@@ -16,6 +20,9 @@ from pathlib import Path
 from runtime.bench.page_cache import drop_page_cache, files_under
 
 MiB, GiB = 1 << 20, 1 << 30
+_DISKSTATS = Path("/proc/diskstats")
+_BLOCK = Path("/sys/block")
+SECTOR = 512  # /proc/diskstats counts 512-byte sectors whatever the disk's own
 PIECE_BYTES = 64 * MiB
 #: thread counts tried: on the H100 machine's disk 8 read fastest and 16 was 15% slower (one measurement)
 THREAD_COUNTS = (8, 16)
@@ -81,3 +88,19 @@ def measure_disk_read(root: Path, thread_counts: tuple[int, ...] = THREAD_COUNTS
         read_files(files, threads)
         result.seconds[threads] = time.perf_counter() - started
     return result
+
+
+def bytes_read_from_disks() -> int | None:
+    """Bytes read from the machine's physical disks since boot (those in /sys/block with a device behind them:
+    not partitions, loop, zram or device-mapper devices, whose reads a physical disk counts again); None where
+    the kernel does not say."""
+    try:
+        lines = _DISKSTATS.read_text().splitlines()
+    except OSError:
+        return None
+    total = 0
+    for line in lines:
+        fields = line.split()
+        if len(fields) > 5 and (_BLOCK / fields[2] / "device").exists():
+            total += int(fields[5]) * SECTOR
+    return total

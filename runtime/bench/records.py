@@ -46,6 +46,8 @@ class StartRun:
     stages: list[dict[str, Any]]
     prompt_tokens: int | None
     page_cache: str
+    #: read from the machine's disks from the spawn until the process was stopped (runtime/bench/disk_read.py)
+    disk_read_bytes: int | None = None
 
 
 @dataclass
