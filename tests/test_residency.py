@@ -47,3 +47,38 @@ def test_a_large_file_is_asked_about_in_windows_over_its_whole_length(tmp_path):
         assert 0.9 < cached_fraction([path]) < 1.0  # the last window sees the missing tail
     finally:
         os.close(fd)
+
+
+def test_the_page_cache_by_file_script_names_what_is_cached(tmp_path):
+    """scripts/page_cache_by_file.py, run as after a start: a file read is listed with its bytes, one dropped
+    from the page cache is not; a folder that does not exist is one line and exit 2."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from runtime.weights.residency import cached_bytes
+
+    read, dropped = tmp_path / "read.bin", tmp_path / "dropped.bin"
+    for path in (read, dropped):
+        path.write_bytes(os.urandom(2 << 20))
+    fd = os.open(dropped, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    if cached_bytes(read) is None:
+        return  # a kernel older than 6.5 cannot say
+    if cached_bytes(dropped):
+        return  # this machine's page cache keeps the file after POSIX_FADV_DONTNEED
+    repo = Path(__file__).resolve().parents[1]
+    out = tmp_path / "cached.json"
+    done = subprocess.run([sys.executable, "scripts/page_cache_by_file.py", str(tmp_path), "--json", str(out)],
+                          cwd=repo, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert str(read) in done.stdout and str(dropped) not in done.stdout
+    assert json.loads(out.read_text()) == {str(read): 2 << 20}
+    bad = subprocess.run([sys.executable, "scripts/page_cache_by_file.py", str(tmp_path / "nowhere")], cwd=repo,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "nowhere" in bad.stderr

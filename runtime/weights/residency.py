@@ -62,6 +62,23 @@ def cached_fraction(paths: list[str | os.PathLike]) -> float | None:
     return min(1.0, cached / total) if total else 1.0
 
 
+def cached_bytes(path: str | os.PathLike) -> int | None:
+    """Bytes of PATH in the page cache, every page asked about; None where the kernel cannot say or the file
+    cannot be opened."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        stat = _Stat()
+        if _syscall()(ctypes.c_long(SYS_CACHESTAT), ctypes.c_int(fd), ctypes.byref(_Range(0, 0)),
+                      ctypes.byref(stat), ctypes.c_uint(0)) != 0:
+            return None
+        return min(stat.nr_cache * os.sysconf("SC_PAGE_SIZE"), os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+
+
 def _windows(size: int) -> list[tuple[int, int]]:
     """(offset, length) ranges to ask about: the whole file (length 0) when it is small, else WINDOWS
     page-aligned windows from its start to its end."""
