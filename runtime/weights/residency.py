@@ -51,11 +51,10 @@ def cached_fraction(paths: list[str | os.PathLike]) -> float | None:
         try:
             size = os.fstat(fd).st_size
             for start, length in _windows(size):
-                stat = _Stat()
-                if _syscall()(ctypes.c_long(SYS_CACHESTAT), ctypes.c_int(fd), ctypes.byref(_Range(start, length)),
-                              ctypes.byref(stat), ctypes.c_uint(0)) != 0:
+                pages = _cached_pages(fd, start, length)
+                if pages is None:
                     return None
-                cached += stat.nr_cache
+                cached += pages
                 total += -(-min(length or size, size - start) // page)
         finally:
             os.close(fd)
@@ -70,13 +69,20 @@ def cached_bytes(path: str | os.PathLike) -> int | None:
     except OSError:
         return None
     try:
-        stat = _Stat()
-        if _syscall()(ctypes.c_long(SYS_CACHESTAT), ctypes.c_int(fd), ctypes.byref(_Range(0, 0)),
-                      ctypes.byref(stat), ctypes.c_uint(0)) != 0:
-            return None
-        return min(stat.nr_cache * os.sysconf("SC_PAGE_SIZE"), os.fstat(fd).st_size)
+        pages = _cached_pages(fd, 0, 0)
+        return None if pages is None else min(pages * os.sysconf("SC_PAGE_SIZE"), os.fstat(fd).st_size)
     finally:
         os.close(fd)
+
+
+def _cached_pages(fd: int, start: int, length: int) -> int | None:
+    """Pages of the file FD in the page cache from START for LENGTH bytes (0: to its end); None where the
+    kernel cannot say."""
+    stat = _Stat()
+    if _syscall()(ctypes.c_long(SYS_CACHESTAT), ctypes.c_int(fd), ctypes.byref(_Range(start, length)),
+                  ctypes.byref(stat), ctypes.c_uint(0)) != 0:
+        return None
+    return stat.nr_cache
 
 
 def _windows(size: int) -> list[tuple[int, int]]:
