@@ -29,6 +29,8 @@ for arm in "$@"; do
     name=${arm%%=*} rev=${arm#*=} tree=$WORK/${arm%%=*}
     mkdir -p "$tree"; git archive "$rev" | tar -x -C "$tree"
     cc -O2 -shared -fPIC "$tree/runtime/weights/native_reader.c" -ldl -o "$tree/runtime/weights/_native_reader$suffix"
+    # bytecode, as an image holds it (scripts/gpu_suite.sh setup): else each start compiles the bootstrap's sources
+    "$PY" -m compileall -q -j 0 "$tree/runtime" "$tree/snapshots" "$tree/handlers" > /dev/null
     say "baking $name ($rev)"
     if [ -z "$first" ]; then
         (cd "$tree" && DEVICE="$DEVICE" PYTHONPATH="$SITE:$tree" "$PY" -m snapshots.build --model "$model" --out "$layout" \
