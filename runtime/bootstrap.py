@@ -46,7 +46,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _config_error(exc, lambda_api)
     setup_logging(settings.log_level)
     from runtime.weights import prefetch
+    from snapshots import start_pages
 
+    start_pages.log_start()
     prefetch.log_start()
     several = len(settings.models) > 1
     if settings.restore in ("auto", "gpu", "process"):

@@ -275,6 +275,11 @@ class Settings:
         "faas-bootstrap reads a local layout's weight files into the page cache from its first instruction, "
         "when they are not there and fit in the memory available, so that whoever streams them finds them there "
         "(0: only whoever streams them reads them)")
+    prefetch_start_pages: bool = _setting(
+        "PREFETCH_START_PAGES", _bool, EARLY_DEFAULTS["PREFETCH_START_PAGES"],
+        "faas-bootstrap reads the file pages faas-build saw a start from the CRIU snapshot touch (its libraries' "
+        "pages) into the page cache from its first instruction, before the weights' prefetch, when they are not "
+        "there (0: the restored runtime faults them in, each read around by the kernel)")
     lazy_pages: bool = _setting(
         "LAZY_PAGES", _bool, EARLY_DEFAULTS["LAZY_PAGES"],
         "process snapshots: the restored runtime runs before its memory is all back; a criu lazy-pages daemon "

@@ -1,7 +1,8 @@
 """faas-bootstrap's entry point (the container's ENTRYPOINT): starts the restore of the CRIU snapshot the
 bootstrap would restore first (snapshots/early_restore.py says why and what makes it safe), then the reading
-of the weights into the page cache where they are not there (runtime/weights/prefetch.py), then imports the
-bootstrap and runs it. `python -m runtime.bootstrap` runs the same start without either.
+into the page cache of the file pages a start from that snapshot touches (snapshots/start_pages.py) and then
+of the weights (runtime/weights/prefetch.py), where they are not there, then imports the bootstrap and runs
+it. `python -m runtime.bootstrap` runs the same start without any of them.
 
 The image runs it without `site` (its `faas-bootstrap` is a script run by `python3 -S`; the bench starts
 `python3 -S -m runtime.entry`): the interpreter starts without reading site-packages' `.pth` files and running
@@ -25,11 +26,16 @@ def main(argv: list[str] | None = None) -> int:
         from runtime.setting_text import early_flag, setting
         from snapshots import early_restore
 
-        early_restore.start(argv, check=not sys.flags.no_site)
+        kind = early_restore.start(argv, check=not sys.flags.no_site)
+        pages = None
+        if kind is not None and early_flag(argv, os.environ, "PREFETCH_START_PAGES"):
+            from snapshots import start_pages
+
+            pages = start_pages.start(os.path.expanduser(setting(argv, os.environ, "SNAPSHOT_DIR")), kind)
         if early_flag(argv, os.environ, "PREFETCH_WEIGHTS"):
             from runtime.weights import prefetch
 
-            prefetch.start(setting(argv, os.environ, "MODEL"))
+            prefetch.start(setting(argv, os.environ, "MODEL"), after=pages)
     if sys.flags.no_site:
         import site
 

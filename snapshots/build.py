@@ -26,6 +26,7 @@ from runtime.interrupts import sigterm_interrupts_main
 from runtime.logs import get_logger, setup_logging
 from runtime.weights.errors import WeightsError
 from snapshots.bake import INSTANCE_KINDS, KINDS as SNAPSHOT_KINDS, PER_MODEL_KINDS
+from snapshots.restore_run import CRIU_KINDS
 
 log = get_logger("build")
 
@@ -166,11 +167,29 @@ def _bake(build: Build, settings, model_dir: Path | None, heading: str | None = 
     for r in results:
         print(f"  {r.kind:<13} {r.status:<8} {r.seconds:7.1f} s  {r.detail}", file=sys.stderr)
     baked = [r.kind for r in results if r.status == "baked"]
+    if scope == SNAPSHOT_KINDS:  # a lone model: several are left to their faults
+        _record_start_pages(settings, model_dir, [kind for kind in baked if kind in CRIU_KINDS])
     if baked and build.time_restores and scope == SNAPSHOT_KINDS:  # a lone model: several are not timed
         _time_restores(build, settings, model_dir, baked)
     failed = [r.kind for r in results if r.status == "failed"]
     if failed:
         raise BakeFailed(f"snapshots not baked: {', '.join(failed)} (see above); the others are in place")
+
+
+def _record_start_pages(settings, model_dir: Path, kinds: list[str]) -> None:
+    """List the file pages a start from each CRIU snapshot touches (snapshots/start_pages.py); a start that
+    fails leaves its snapshot without a list, which restores as well, only slower from cold disk."""
+    from runtime.bench import BenchError
+    from snapshots.start_pages_record import record_start_pages
+
+    for kind in kinds:
+        try:
+            files = record_start_pages(model_dir, settings.snapshot_dir, kind)
+        except (BenchError, OSError) as exc:
+            print(f"  {kind} start pages not listed: {exc}", file=sys.stderr)
+            continue
+        print(f"  {kind} start pages: {sum(f.bytes for f in files) / MiB:.1f} MiB of {len(files)} files",
+              file=sys.stderr)
 
 
 def _time_restores(build: Build, settings, model_dir: Path, baked: list[str]) -> None:

@@ -18,12 +18,15 @@ ALL_MODES = SERVER_MODES + (BASELINE_MODE,)
 #: streams them during it whether or not they are in the page cache; process-unprimed starts no driver primer;
 #: gpu-late and process-late start CRIU after the bootstrap's imports and checks, not before them;
 #: process-lazy hands over before criu has restored all of the memory (LAZY_PAGES=1); cold-unprefetched and
-#: process-unprefetched leave the weights to whoever streams them (PREFETCH_WEIGHTS=0); process-site and
+#: process-unprefetched leave the weights to whoever streams them (PREFETCH_WEIGHTS=0); process-unlisted and
+#: gpu-unlisted leave the restored runtime's file pages to its faults (PREFETCH_START_PAGES=0); process-site and
 #: cold-site start the entry point after `site`, as the `faas-bootstrap` script does (SITE_FIRST)
 VARIANTS = {"process-site": ("process", {}),
             "cold-site": ("cold", {}),
             "process-lazy": ("process", {"LAZY_PAGES": "1"}),
             "process-unprefetched": ("process", {"PREFETCH_WEIGHTS": "0"}),
+            "process-unlisted": ("process", {"PREFETCH_START_PAGES": "0"}),
+            "gpu-unlisted": ("gpu", {"PREFETCH_START_PAGES": "0"}),
             "cold-unprefetched": ("cold", {"PREFETCH_WEIGHTS": "0"}),
             "gpu-late": ("gpu", {"EARLY_RESTORE": "0"}),
             "process-late": ("process", {"EARLY_RESTORE": "0"}),

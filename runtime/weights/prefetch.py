@@ -19,94 +19,21 @@ from __future__ import annotations
 
 import json
 import os
-import threading
-import time
+
+from runtime.read_ahead import Piece, ReadAhead
 
 #: threads reading at once: the disk's parallel read rate on the GPU machine peaks at 8-16
 READERS = 8
-#: what one thread reads before it takes the next piece, and how much at a time
+#: what one thread reads before it takes the next piece
 PIECE_BYTES = 64 << 20
-READ_BYTES = 8 << 20
 #: the share of the memory available the weights may take
 MEMORY_SHARE = 0.8
 
 
-class Prefetch:
-    """READERS threads reading FILES ((path, size), in order) into the page cache, piece by piece."""
-
-    def __init__(self, files: list[tuple[str, int]], readers: int = READERS) -> None:
-        self.readers = readers
-        self.bytes = sum(size for _, size in files)
-        self.started = time.time()
-        self.ended: float | None = None
-        self.error: str | None = None
-        self._pieces = iter([(path, offset, min(PIECE_BYTES, size - offset))
-                             for path, size in files for offset in range(0, size, PIECE_BYTES)])
-        self._lock = threading.Lock()
-        self._running = readers
-        self._announced = False  # logging is set up after the prefetch starts
-        self._threads = [threading.Thread(target=self._read, name="weights-prefetch", daemon=True)
-                         for _ in range(readers)]
-        for thread in self._threads:
-            thread.start()
-
-    def _read(self) -> None:
-        buffer = bytearray(READ_BYTES)
-        fds: dict[str, int] = {}
-        try:
-            while True:
-                with self._lock:
-                    piece = next(self._pieces, None)
-                if piece is None:
-                    return
-                path, offset, length = piece
-                if path not in fds:
-                    fds[path] = os.open(path, os.O_RDONLY)
-                end = offset + length
-                while offset < end:
-                    n = os.preadv(fds[path], [memoryview(buffer)[:min(READ_BYTES, end - offset)]], offset)
-                    if n <= 0:
-                        break
-                    offset += n
-        except OSError as exc:  # whoever streams the weights next reads them, and says what is wrong
-            self.error = str(exc)
-        finally:
-            for fd in fds.values():
-                os.close(fd)
-            with self._lock:
-                self._running -= 1
-                if self._running == 0:
-                    self.ended = time.time()
-                report = self._running == 0 and self._announced
-            if report:
-                self.report()
-
-    def announce(self) -> None:
-        """Log that it runs, once logging is set up; and how it went, now if it is over, else when it is."""
-        from runtime.logs import get_logger
-
-        get_logger("weights.prefetch").info("weights prefetch: reading %.2f GiB into the page cache with %d threads",
-                                            self.bytes / 2**30, self.readers)
-        with self._lock:
-            self._announced = True
-            over = self.ended is not None
-        if over:
-            self.report()
-
-    def report(self) -> None:
-        from runtime.logs import get_logger  # imported by the bootstrap long before a prefetch ends
-
-        seconds = self.ended - self.started
-        get_logger("weights.prefetch").info(
-            "weights prefetch: %.2f GiB in the page cache %.2f s after it began (%.2f GiB/s)%s", self.bytes / 2**30,
-            seconds, self.bytes / 2**30 / max(seconds, 1e-6), f"; stopped: {self.error}" if self.error else "")
-
-    def join(self, timeout: float | None = None) -> bool:
-        """Whether every thread has finished (within TIMEOUT)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for thread in self._threads:
-            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        return self.ended is not None
+def pieces(files: list[tuple[str, int]]) -> list[Piece]:
+    """FILES ((path, size), in the layout's order) in pieces of PIECE_BYTES."""
+    return [(path, offset, min(PIECE_BYTES, size - offset)) for path, size in files
+            for offset in range(0, size, PIECE_BYTES)]
 
 
 def layout_files(model: str) -> list[tuple[str, int]] | None:
@@ -162,19 +89,20 @@ def memory_available() -> int | None:
 
 
 #: this process's prefetch, once the entry point started one, and why it did not when it did not
-current: Prefetch | None = None
+current: ReadAhead | None = None
 skipped: str | None = None
 
 
-def start(model: str | None) -> Prefetch | None:
-    """Start prefetching MODEL's weights (`current`), else say why not (`skipped`). Never raises."""
+def start(model: str | None, after: ReadAhead | None = None) -> ReadAhead | None:
+    """Start prefetching MODEL's weights (`current`), once AFTER has been read if given, else say why not
+    (`skipped`). Never raises."""
     global current, skipped
     current = skipped = None
     try:
         files = layout_files(model or "")
         skipped = "not a local faas-build layout" if files is None else why_not(files)
         if skipped is None:
-            current = Prefetch(files)
+            current = ReadAhead("weights prefetch", pieces(files), READERS, after)
     except Exception as exc:  # noqa: BLE001 - the weights are read by whoever streams them, as without it
         skipped = f"{type(exc).__name__}: {exc}"
     return current

@@ -51,7 +51,7 @@ def cached_fraction(paths: list[str | os.PathLike]) -> float | None:
         try:
             size = os.fstat(fd).st_size
             for start, length in _windows(size):
-                pages = _cached_pages(fd, start, length)
+                pages = cached_pages(fd, start, length)
                 if pages is None:
                     return None
                 cached += pages
@@ -69,13 +69,13 @@ def cached_bytes(path: str | os.PathLike) -> int | None:
     except OSError:
         return None
     try:
-        pages = _cached_pages(fd, 0, 0)
+        pages = cached_pages(fd, 0, 0)
         return None if pages is None else min(pages * os.sysconf("SC_PAGE_SIZE"), os.fstat(fd).st_size)
     finally:
         os.close(fd)
 
 
-def _cached_pages(fd: int, start: int, length: int) -> int | None:
+def cached_pages(fd: int, start: int, length: int) -> int | None:
     """Pages of the file FD in the page cache from START for LENGTH bytes (0: to its end); None where the
     kernel cannot say."""
     stat = _Stat()

@@ -1,0 +1,124 @@
+"""Pieces of files read into the page cache on threads, from the entry point's first instruction: the file
+pages a restored runtime will touch (snapshots/start_pages.py), then the weights (runtime/weights/prefetch.py).
+Nothing waits for a read-ahead: whoever reads the same bytes later finds them in the page cache, or waits for
+the read in flight rather than starting another. A read that fails ends that thread's share quietly (`error`
+says what failed): whoever needs the bytes reads them, and says what is wrong.
+
+Imports: os, threading and time (the entry point's, before CRIU starts).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+#: what one read asks for at most
+READ_BYTES = 8 << 20
+
+#: (path, offset, length)
+Piece = tuple[str, int, int]
+
+
+class ReadAhead:
+    """READERS threads reading PIECES, in order, into the page cache. AFTER: an earlier read-ahead whose end
+    these threads wait for first (the disk serves one at a time best). EXACT: exactly the pieces, with no
+    read-ahead of the kernel's around them (POSIX_FADV_RANDOM on each file), and a piece already in the page
+    cache is not read again."""
+
+    def __init__(self, what: str, pieces: list[Piece], readers: int, after: "ReadAhead | None" = None,
+                 exact: bool = False) -> None:
+        self.what = what
+        self.readers = readers
+        self.bytes = sum(length for _, _, length in pieces)
+        self.after = after
+        self.exact = exact
+        self.started = time.time()
+        self.ended: float | None = None
+        self.error: str | None = None
+        self.done = threading.Event()
+        self._pieces = iter(pieces)
+        self._lock = threading.Lock()
+        self._running = readers
+        self._announced = False  # logging is set up after the read-ahead starts
+        self._threads = [threading.Thread(target=self._read, name=what, daemon=True) for _ in range(readers)]
+        for thread in self._threads:
+            thread.start()
+
+    def _read(self) -> None:
+        fds: dict[str, int] = {}
+        try:
+            if self.after is not None:
+                self.after.done.wait()
+            buffer = bytearray(READ_BYTES)
+            while True:
+                with self._lock:
+                    piece = next(self._pieces, None)
+                if piece is None:
+                    return
+                path, offset, length = piece
+                if path not in fds:
+                    fds[path] = self._open(path)
+                if not self.exact or not piece_cached(fds[path], offset, length):
+                    _read_piece(fds[path], offset, offset + length, buffer)
+        except OSError as exc:
+            self.error = str(exc)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+            with self._lock:
+                self._running -= 1
+                if self._running == 0:
+                    self.ended = time.time()
+                    self.done.set()
+                report = self._running == 0 and self._announced
+            if report:
+                self.report()
+
+    def _open(self, path: str) -> int:
+        fd = os.open(path, os.O_RDONLY)
+        if self.exact:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # this open file reads what it is asked, no more
+        return fd
+
+    def announce(self) -> None:
+        """Log that it runs, once logging is set up; and how it went, now if it is over, else when it is."""
+        from runtime.logs import get_logger
+
+        get_logger("read_ahead").info("%s: reading %.2f GiB into the page cache with %d threads%s", self.what,
+                                      self.bytes / 2**30, self.readers,
+                                      f", after the {self.after.what}" if self.after is not None else "")
+        with self._lock:
+            self._announced = True
+            over = self.ended is not None
+        if over:
+            self.report()
+
+    def report(self) -> None:
+        from runtime.logs import get_logger  # imported by the bootstrap long before a read-ahead ends
+
+        seconds = self.ended - self.started
+        get_logger("read_ahead").info(
+            "%s: %.2f GiB in the page cache %.2f s after it began (%.2f GiB/s)%s", self.what, self.bytes / 2**30,
+            seconds, self.bytes / 2**30 / max(seconds, 1e-6), f"; stopped: {self.error}" if self.error else "")
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Whether every thread has finished (within TIMEOUT)."""
+        return self.done.wait(timeout)
+
+
+def _read_piece(fd: int, offset: int, end: int, buffer: bytearray) -> None:
+    while offset < end:
+        n = os.preadv(fd, [memoryview(buffer)[:min(READ_BYTES, end - offset)]], offset)
+        if n <= 0:
+            return
+        offset += n
+
+
+def piece_cached(fd: int, offset: int, length: int) -> bool:
+    """Whether every page of the piece is in the page cache (False where the kernel cannot say)."""
+    from runtime.weights.residency import cached_pages
+
+    page = os.sysconf("SC_PAGE_SIZE")
+    pages = cached_pages(fd, offset, length)
+    return pages is not None and pages >= (offset + length - 1) // page - offset // page + 1

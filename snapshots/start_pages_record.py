@@ -1,0 +1,173 @@
+"""faas-build's list of the file pages a start from a CRIU snapshot touches (snapshots/start_pages.py says why
+and how the entry point reads them): the function started from the snapshot, a short and a longer request served, then the
+pages of files its processes hold, from /proc/PID/pagemap."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterable
+
+from runtime.logs import get_logger
+from snapshots.start_pages import LIST_FILE, FilePages
+
+log = get_logger("snapshots.start_pages")
+
+#: touched pages this close together are read as one range, with the gap: one request rather than two
+GAP_BYTES = 128 << 10
+PAGE = os.sysconf("SC_PAGE_SIZE")
+#: /proc/PID/pagemap: the page is present; it is the file's page (not a private copy written since)
+PRESENT, FILE_PAGE = 1 << 63, 1 << 61
+#: the requests the start serves: a short prompt and a longer one (a longer prompt runs other kernels)
+PROMPT_TOKENS = (32, 256)
+
+
+def touched_pages(pids: Iterable[int], leave_out: Iterable[str] = ()) -> list[FilePages]:
+    """The pages of files mapped by PIDS present in their page tables, by file, in ranges that join gaps up
+    to GAP_BYTES: first each file's first page and the pages written since the file was mapped (CRIU checks
+    each file's header, and restores the written pages over the file's, at the start of the restore), then
+    the rest. Files under a LEAVE_OUT folder are left out (the weights: read by their own prefetch)."""
+    leave_out = tuple(os.path.join(os.path.realpath(folder), "") for folder in leave_out)
+    written: dict[str, set[int]] = {}
+    read: dict[str, set[int]] = {}
+    for pid in pids:
+        for start, end, offset, path in file_mappings(pid):
+            if path.startswith(leave_out):
+                continue
+            early = written.setdefault(path, {0})  # the header, which CRIU checks
+            touched = read.setdefault(path, set())
+            for i, file_page in present_pages(pid, start, end):
+                (touched if file_page else early).add(offset // PAGE + i)
+    listed = []
+    for path in sorted(written):
+        try:
+            stat = os.stat(path)
+        except OSError:
+            continue
+        early = _ranges(sorted(written[path]), stat.st_size)
+        rest = _ranges(sorted(read[path] - written[path]), stat.st_size)
+        if early or rest:
+            listed.append(FilePages(path, stat.st_size, stat.st_mtime_ns, early, rest))
+    return listed
+
+
+def file_mappings(pid: int) -> list[tuple[int, int, int, str]]:
+    """(start, end, file offset, path) of PID's mappings of regular files; [] once it has exited."""
+    found = []
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            lines = f.readlines()
+    except OSError:
+        return []
+    for line in lines:
+        fields = line.rstrip("\n").split(maxsplit=5)
+        if len(fields) < 6 or fields[4] == "0" or not fields[5].startswith("/") or fields[5].endswith(" (deleted)"):
+            continue
+        start, end = (int(x, 16) for x in fields[0].split("-"))
+        found.append((start, end, int(fields[2], 16), fields[5]))
+    return found
+
+
+def present_pages(pid: int, start: int, end: int) -> list[tuple[int, bool]]:
+    """(index from START, whether it is still the file's page) of the pages of START..END present in PID's page
+    table. A page of a private mapping written since is a copy: the kernel read the file's page to copy it, and
+    CRIU's restore of such a page (relocated data, say) reads it again."""
+    try:
+        with open(f"/proc/{pid}/pagemap", "rb") as f:
+            f.seek(start // PAGE * 8)
+            entries = memoryview(f.read((end - start) // PAGE * 8)).cast("Q")
+    except OSError:
+        return []
+    return [(i, bool(entry & FILE_PAGE)) for i, entry in enumerate(entries) if entry & PRESENT]
+
+
+def _ranges(indices: list[int], size: int) -> tuple[tuple[int, int], ...]:
+    """Sorted page INDICES as (offset, length) byte ranges within SIZE, joined across gaps up to GAP_BYTES."""
+    ranges: list[list[int]] = []
+    for index in indices:
+        if ranges and index - ranges[-1][1] <= GAP_BYTES // PAGE:
+            ranges[-1][1] = index + 1
+        else:
+            ranges.append([index, index + 1])
+    clipped = ((first * PAGE, min(last * PAGE, size)) for first, last in ranges)
+    return tuple((start, end - start) for start, end in clipped if end > start)
+
+
+def descendants(pid: int) -> list[int]:
+    """PID and every process below it."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry))
+    found, queue = [], [pid]
+    while queue:
+        found.append(queue.pop())
+        queue.extend(children.get(found[-1], []))
+    return found
+
+
+def write_list(directory: Path, files: list[FilePages], kind: str) -> Path:
+    """DIRECTORY/LIST_FILE, written whole or not at all."""
+    record = {"kind": kind, "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "gap_bytes": GAP_BYTES, "bytes": sum(f.bytes for f in files),
+              "files": [{"path": f.path, "size": f.size, "mtime_ns": f.mtime_ns,
+                         "early": [list(r) for r in f.early], "ranges": [list(r) for r in f.ranges]} for f in files]}
+    target = Path(directory) / LIST_FILE
+    fd, temp = tempfile.mkstemp(prefix=f".{LIST_FILE}.", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(record, f)
+        os.chmod(temp, 0o644)
+        os.replace(temp, target)
+    except BaseException:
+        Path(temp).unlink(missing_ok=True)
+        raise
+    return target
+
+
+
+def record_start_pages(model_dir: Path, snapshot_dir: Path, kind: str, timeout_s: float = 900.0) -> list[FilePages]:
+    """Start the function from SNAPSHOT_DIR's KIND snapshot (MODEL=MODEL_DIR, the rest of its settings from
+    this environment, as faas-build bakes with), serve two requests (PROMPT_TOKENS), list the file pages its processes
+    then hold (the weights left out: their own prefetch reads them), and write the list beside the snapshot.
+    Raises BenchError where the start or the request fails; the snapshot is left as it was."""
+    with tempfile.TemporaryDirectory(prefix="start-pages-") as logs:
+        files = asyncio.run(_start_and_list(model_dir, snapshot_dir, kind, Path(logs) / f"{kind}.log", timeout_s))
+    write_list(snapshot_dir / kind, files, kind)
+    log.info("%s snapshot: a start touched %.1f MiB of %d files; listed in %s", kind,
+             sum(f.bytes for f in files) / 2**20, len(files), LIST_FILE)
+    return files
+
+
+async def _start_and_list(model_dir: Path, snapshot_dir: Path, kind: str, log_path: Path,
+                          timeout_s: float) -> list[FilePages]:
+    import httpx
+
+    from runtime.bench import BenchError
+    from runtime.bench.client import stream_completion
+    from runtime.bench.instance import Instance
+    from runtime.bench.prompt import PromptMaker
+
+    instance = Instance.spawn(kind, {"MODEL": str(model_dir), "SNAPSHOT_DIR": str(snapshot_dir)}, log_path)
+    try:
+        async with httpx.AsyncClient() as client:
+            await instance.wait_ready(client, timeout_s)
+            instance.check_restore_path()
+            prompts = PromptMaker(str(model_dir))
+            for tokens in PROMPT_TOKENS:
+                timing = await stream_completion(client, instance.url, prompts.prompt(tokens), 2, timeout_s,
+                                                 every_token=True)
+                if not timing.ok:
+                    raise BenchError(f"a request to the {kind} start failed: {timing.error}")
+            return touched_pages(descendants(instance.process.pid), leave_out=[str(model_dir)])
+    finally:
+        await instance.stop()
