@@ -35,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
         if early_flag(argv, os.environ, "PREFETCH_WEIGHTS"):
             from runtime.weights import prefetch
 
-            prefetch.start(setting(argv, os.environ, "MODEL"), after=pages)
+            prefetch.start(setting(argv, os.environ, "MODEL"), after=pages,
+                           readers=prefetch.readers(setting(argv, os.environ, "PREFETCH_READERS")))
     if sys.flags.no_site:
         import site
 

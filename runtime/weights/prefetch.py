@@ -22,7 +22,7 @@ import os
 
 from runtime.read_ahead import Piece, ReadAhead
 
-#: threads reading at once: the disk's parallel read rate on the GPU machine peaks at 8-16
+#: threads reading at once (PREFETCH_READERS): the disk's parallel read rate on the GPU machine peaks at 8-16
 READERS = 8
 #: what one thread reads before it takes the next piece
 PIECE_BYTES = 64 << 20
@@ -93,16 +93,26 @@ current: ReadAhead | None = None
 skipped: str | None = None
 
 
-def start(model: str | None, after: ReadAhead | None = None) -> ReadAhead | None:
-    """Start prefetching MODEL's weights (`current`), once AFTER has been read if given, else say why not
-    (`skipped`). Never raises."""
+def readers(text: str | None) -> int:
+    """PREFETCH_READERS's text as a count of threads; READERS where it is unset or not a positive number (the
+    bootstrap's parse of the settings says what is wrong with it)."""
+    try:
+        count = int(text) if text is not None else READERS
+    except ValueError:
+        return READERS
+    return count if count > 0 else READERS
+
+
+def start(model: str | None, after: ReadAhead | None = None, readers: int = READERS) -> ReadAhead | None:
+    """Start prefetching MODEL's weights (`current`) on READERS threads, once AFTER has been read if given,
+    else say why not (`skipped`). Never raises."""
     global current, skipped
     current = skipped = None
     try:
         files = layout_files(model or "")
         skipped = "not a local faas-build layout" if files is None else why_not(files)
         if skipped is None:
-            current = ReadAhead("weights prefetch", pieces(files), READERS, after)
+            current = ReadAhead("weights prefetch", pieces(files), readers, after)
     except Exception as exc:  # noqa: BLE001 - the weights are read by whoever streams them, as without it
         skipped = f"{type(exc).__name__}: {exc}"
     return current
