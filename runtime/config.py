@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from runtime.setting_text import EARLY_DEFAULTS, FALSE_WORDS, TRUE_WORDS
+from runtime.weights.prefetch import READERS as PREFETCH_READERS
 
 
 class ConfigError(ValueError):
@@ -276,7 +277,7 @@ class Settings:
         "when they are not there and fit in the memory available, so that whoever streams them finds them there "
         "(0: only whoever streams them reads them)")
     prefetch_readers: int = _setting(
-        "PREFETCH_READERS", _positive_int, 8,
+        "PREFETCH_READERS", _positive_int, PREFETCH_READERS,
         "threads the weights' prefetch reads with at once (a disk's best parallel read rate differs: faas-bench "
         "coldstart --page-cache dropped measures 8 and 16 beside the starts)")
     prefetch_start_pages: bool = _setting(

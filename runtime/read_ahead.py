@@ -115,10 +115,15 @@ def _read_piece(fd: int, offset: int, end: int, buffer: bytearray) -> None:
         offset += n
 
 
-def piece_cached(fd: int, offset: int, length: int) -> bool:
-    """Whether every page of the piece is in the page cache (False where the kernel cannot say)."""
+def piece_pages(fd: int, offset: int, length: int) -> tuple[int, int]:
+    """(pages of the piece in the page cache, pages of the piece); none cached where the kernel cannot say."""
     from runtime.weights.residency import cached_pages
 
     page = os.sysconf("SC_PAGE_SIZE")
-    pages = cached_pages(fd, offset, length)
-    return pages is not None and pages >= (offset + length - 1) // page - offset // page + 1
+    return cached_pages(fd, offset, length) or 0, (offset + length - 1) // page - offset // page + 1
+
+
+def piece_cached(fd: int, offset: int, length: int) -> bool:
+    """Whether every page of the piece is in the page cache (False where the kernel cannot say)."""
+    cached, pages = piece_pages(fd, offset, length)
+    return cached >= pages

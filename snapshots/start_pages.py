@@ -20,7 +20,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from runtime.read_ahead import READ_BYTES, Piece, ReadAhead, piece_cached
+from runtime.read_ahead import READ_BYTES, Piece, ReadAhead, piece_pages
 
 LIST_FILE = "start-pages.json"
 READERS = 8
@@ -97,18 +97,23 @@ def start(snapshot_dir: str, kind: str) -> ReadAhead | None:
 
 
 def _ends_cached(listed: list[Piece]) -> bool:
-    """Whether each file's first and last listed pieces are in the page cache: a warm start reads nothing."""
+    """Whether CACHED_ENOUGH of the pages of each file's first and last listed pieces are in the page cache: a
+    warm start reads nothing."""
+    from runtime.weights.residency import CACHED_ENOUGH
+
     ends: dict[str, list[Piece]] = {}
     for piece in listed:
         ends.setdefault(piece[0], [piece, piece])[1] = piece
+    cached = total = 0
     for path, pair in ends.items():
         fd = os.open(path, os.O_RDONLY)
         try:
-            if not all(piece_cached(fd, offset, length) for _, offset, length in pair):
-                return False
+            for _, offset, length in pair:
+                found, pages = piece_pages(fd, offset, length)
+                cached, total = cached + found, total + pages
         finally:
             os.close(fd)
-    return True
+    return cached >= CACHED_ENOUGH * total
 
 
 def log_start() -> None:

@@ -20,7 +20,7 @@ ALL_MODES = SERVER_MODES + (BASELINE_MODE,)
 #: process-lazy hands over before criu has restored all of the memory (LAZY_PAGES=1); cold-unprefetched and
 #: process-unprefetched leave the weights to whoever streams them (PREFETCH_WEIGHTS=0); process-unlisted and
 #: gpu-unlisted leave the restored runtime's file pages to its faults (PREFETCH_START_PAGES=0);
-#: process-16-readers prefetches the weights on 16 threads rather than 8 (PREFETCH_READERS); process-site and
+#: process-8-readers prefetches the weights on 8 threads rather than 16 (PREFETCH_READERS); process-site and
 #: cold-site start the entry point after `site`, as the `faas-bootstrap` script does (SITE_FIRST)
 VARIANTS = {"process-site": ("process", {}),
             "cold-site": ("cold", {}),
@@ -28,7 +28,7 @@ VARIANTS = {"process-site": ("process", {}),
             "process-unprefetched": ("process", {"PREFETCH_WEIGHTS": "0"}),
             "process-unlisted": ("process", {"PREFETCH_START_PAGES": "0"}),
             "gpu-unlisted": ("gpu", {"PREFETCH_START_PAGES": "0"}),
-            "process-16-readers": ("process", {"PREFETCH_READERS": "16"}),
+            "process-8-readers": ("process", {"PREFETCH_READERS": "8"}),
             "cold-unprefetched": ("cold", {"PREFETCH_WEIGHTS": "0"}),
             "gpu-late": ("gpu", {"EARLY_RESTORE": "0"}),
             "process-late": ("process", {"EARLY_RESTORE": "0"}),
