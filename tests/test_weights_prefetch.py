@@ -55,6 +55,13 @@ def test_a_dropped_layout_is_read_back_into_the_page_cache(layout):
     assert cached_fraction(paths) == 1.0
 
 
+def test_prefetch_readers_is_read_as_the_bootstrap_reads_it():
+    assert prefetch.readers(None) == prefetch.READERS == 16
+    assert prefetch.readers("4") == 4
+    for bad in ("0", "-2", "many"):  # the bootstrap's parse of the settings refuses these, and says why
+        assert prefetch.readers(bad) == prefetch.READERS
+
+
 def test_what_is_not_prefetched_and_why(layout, tiny_model, monkeypatch):
     paths = weight_files(layout)
     drop_from_page_cache(paths)
@@ -77,14 +84,14 @@ def test_what_is_not_prefetched_and_why(layout, tiny_model, monkeypatch):
 
 def test_a_function_started_from_a_dropped_layout_prefetches_it(layout, tmp_path):
     paths = weight_files(layout)
-    for name, env in (("prefetched", {}), ("not", {"PREFETCH_WEIGHTS": "0"})):
+    for name, env in (("prefetched", {"PREFETCH_READERS": "3"}), ("not", {"PREFETCH_WEIGHTS": "0"})):
         drop_from_page_cache(paths)
         server = start_server(tmp_path, name, MODEL=str(layout), **ENGINE_ENV, **env)
         try:
             server.wait_ready()
             log = server.log()
             if name == "prefetched":
-                assert "weights prefetch: reading" in log and "GiB in the page cache" in log
+                assert "weights prefetch: reading" in log and "with 3 threads" in log and "GiB in the page cache" in log
             else:
                 assert "weights prefetch" not in log
             r = httpx.post(f"{server.url}/v1/completions", timeout=60,

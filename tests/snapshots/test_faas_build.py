@@ -12,6 +12,7 @@ import sys
 import httpx
 import pytest
 
+from snapshots.start_pages import LIST_FILE, read_list
 from tests.server.conftest import API_KEY, REPO, server_env, start_server
 from tests.snapshots.conftest import ENGINE_ENV
 from tests.snapshots.test_process_snapshot import greedy_text
@@ -40,6 +41,13 @@ def test_faas_build_bakes_what_this_machine_can_and_the_function_boots_from_it(t
     runs = measured["paths"]["process"]["runs_s"]
     assert len(runs) == 2 and all(0 < s < 120 for s in runs)
     assert "restore order process, gpu, materialized (measured by faas-build" in summary
+    # a start from the process snapshot served two requests; the file pages it touched are listed beside it
+    listed = read_list(snapshots / "process" / LIST_FILE)
+    torch_cpu = next(f for f in listed if f.path.endswith("libtorch_cpu.so"))
+    assert 0 < torch_cpu.bytes < torch_cpu.size / 2
+    assert not any(f.path.startswith(str(out)) for f in listed)  # the weights: their own prefetch reads them
+    total = sum(f.bytes for f in listed) / (1 << 20)
+    assert f"process start pages: {total:.1f} MiB of {len(listed)} files" in summary
 
     cold = start_server(tmp_path, "cold", MODEL=str(tiny_model_dir), API_KEY=API_KEY, **ENGINE_ENV)
     try:

@@ -1,0 +1,121 @@
+"""The file pages a start touches (snapshots/start_pages.py, snapshots/start_pages_record.py): what a running
+process touched of a file it maps is listed (the pages it wrote, and the file's header, first), and a list is
+read back into a dropped page cache exactly, no page around it; a file changed since, a warm page cache or a
+missing list reads nothing and says why."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from runtime.weights.residency import cached_bytes
+from snapshots import start_pages
+from snapshots.start_pages import LIST_FILE, FilePages, read_list
+from snapshots.start_pages_record import GAP_BYTES, PAGE, touched_pages, write_list
+
+MiB = 1 << 20
+
+#: maps FILE privately, reads a byte at each offset given, writes one at the last, then waits for stdin
+TOUCHER = """
+import mmap, sys
+path, *offsets = sys.argv[1:]
+with open(path, "rb") as f:
+    m = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+total = sum(m[int(o)] for o in offsets)
+m[int(offsets[-1])] = (m[int(offsets[-1])] + 1) % 256
+print("touched", total % 2, flush=True)
+sys.stdin.read()
+"""
+
+
+def data_file(path: Path, size: int) -> Path:
+    path.write_bytes(os.urandom(size))
+    return path
+
+
+def drop_from_page_cache(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # written pages are dirty until written back: the kernel keeps those
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    cached = cached_bytes(path)
+    if cached is None:
+        pytest.skip("this kernel has no cachestat(2) (Linux 6.5+): the page cache cannot be asked")
+    if cached > 0:
+        pytest.skip("this machine's page cache keeps the file after POSIX_FADV_DONTNEED")
+
+
+def covers(ranges, offset: int) -> bool:
+    return any(start <= offset < start + length for start, length in ranges)
+
+
+def test_what_a_process_touched_of_a_mapped_file_is_listed(tmp_path):
+    path = data_file(tmp_path / "lib.so", 16 * MiB)
+    offsets = [1 * MiB + 100, 6 * MiB, 11 * MiB + 5 * PAGE]
+    child = subprocess.Popen([sys.executable, "-c", TOUCHER, str(path), *map(str, offsets)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().startswith("touched")
+        listed = {f.path: f for f in touched_pages([child.pid])}
+        left_out = {f.path for f in touched_pages([child.pid], leave_out=[str(tmp_path)])}
+    finally:
+        child.stdin.close()
+        child.wait(10)
+    pages = listed[str(path)]
+    assert pages.size == 16 * MiB and pages.mtime_ns == path.stat().st_mtime_ns
+    assert covers(pages.early, 0) and covers(pages.early, offsets[-1])  # the header; the page written over
+    assert all(covers(pages.early + pages.ranges, offset) for offset in offsets)
+    # the pages touched and what the kernel mapped with them (fault-around, a large folio: up to 2 MiB), not the file
+    assert pages.bytes <= len(offsets) * (2 * MiB + GAP_BYTES) + PAGE
+    assert not covers(pages.early + pages.ranges, 3 * MiB) and not covers(pages.early + pages.ranges, 14 * MiB)
+    assert str(path) not in left_out
+    assert any(p.endswith(".so") or "python" in p for p in listed if p != str(path))  # the interpreter's own
+
+
+def write_snapshot_list(snapshot_dir: Path, files: list[FilePages]) -> None:
+    (snapshot_dir / "process").mkdir(parents=True, exist_ok=True)
+    write_list(snapshot_dir / "process", files, "process")
+
+
+def test_a_list_is_read_into_a_dropped_page_cache_exactly(tmp_path):
+    path = data_file(tmp_path / "lib.so", 16 * MiB)
+    stat = path.stat()
+    early, ranges = ((0, PAGE),), ((4 * MiB, 64 * 1024), (12 * MiB, 9 * MiB // 8))
+    snapshots = tmp_path / "snapshots"
+    write_snapshot_list(snapshots, [FilePages(str(path), stat.st_size, stat.st_mtime_ns, early, ranges)])
+    assert read_list(snapshots / "process" / LIST_FILE)[0].ranges == ranges
+    drop_from_page_cache(path)
+
+    reading = start_pages.start(str(snapshots), "process")
+    assert reading is not None and start_pages.skipped is None
+    assert reading.join(30) and reading.error is None
+    listed = PAGE + 64 * 1024 + 9 * MiB // 8
+    assert reading.bytes == listed
+    assert cached_bytes(path) == listed  # no read-ahead around the pieces
+
+    assert start_pages.start(str(snapshots), "process") is None
+    assert start_pages.skipped == "the listed pages are in the page cache"
+
+
+def test_what_is_not_read_and_why(tmp_path):
+    path = data_file(tmp_path / "lib.so", 4 * MiB)
+    stat = path.stat()
+    snapshots = tmp_path / "snapshots"
+    assert start_pages.start(str(snapshots), "process") is None
+    assert start_pages.skipped == f"no {LIST_FILE} beside the process snapshot"
+
+    write_snapshot_list(snapshots, [FilePages(str(path), stat.st_size, stat.st_mtime_ns - 10**9, ((0, PAGE),), ())])
+    drop_from_page_cache(path)
+    assert start_pages.start(str(snapshots), "process") is None
+    assert start_pages.skipped == "none of the listed files is as it was baked"
+    assert cached_bytes(path) == 0
+
+    (snapshots / "process" / LIST_FILE).write_text('{"files": [{"path": "x"}]}')
+    assert start_pages.start(str(snapshots), "process") is None
+    assert start_pages.skipped.startswith("ValueError") and "not a list of start pages" in start_pages.skipped
