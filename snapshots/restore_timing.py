@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import statistics
 import tempfile
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 
 from runtime.logs import get_logger
 from runtime.start_paths import FIXED_ORDER, ORDER_FILE, RestoreOrder, read_restore_order
+from runtime.weights.temps import write_atomically
 
 log = get_logger("snapshots.timing")
 
@@ -59,11 +59,4 @@ def write_order(snapshot_dir: Path, timed: dict[str, dict], rounds: int) -> None
         return
     record = {"metric": METRIC, "rounds": rounds, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "order": sorted(timed, key=lambda p: timed[p]["median_s"]), "paths": timed}
-    fd, temp = tempfile.mkstemp(prefix=f".{ORDER_FILE}.", dir=snapshot_dir)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(record, f, indent=1)
-        os.replace(temp, target)
-    except BaseException:
-        Path(temp).unlink(missing_ok=True)
-        raise
+    write_atomically(target, json.dumps(record, indent=1).encode())

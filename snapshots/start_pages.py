@@ -5,8 +5,8 @@ A restored runtime reaches its libraries (libtorch, cuBLAS, the CUDA driver...) 
 CRIU gives back unread: each first touch is a page fault. From cold disk the kernel reads around every such
 fault (up to the disk's read-ahead window, 8 MiB on the GPU machine, and executable mappings whatever the
 advice), so a start reads several times what it touches, one fault at a time, while the weights stream from
-the same disk. So faas-build starts the function from each CRIU snapshot once, serves one request, and lists
-the file pages its processes then hold (/proc/PID/pagemap: present and file-backed); the entry point reads
+the same disk. So faas-build starts the function from each CRIU snapshot once, serves two requests, and lists
+the file pages its processes then hold (/proc/PID/pagemap: present in their page tables); the entry point reads
 exactly those (POSIX_FADV_RANDOM: nothing around them) on READERS threads from its first instruction, before
 the weights' prefetch (runtime/read_ahead.py). The faults then find their pages in the page cache.
 
@@ -97,8 +97,8 @@ def start(snapshot_dir: str, kind: str) -> ReadAhead | None:
 
 
 def _ends_cached(listed: list[Piece]) -> bool:
-    """Whether CACHED_ENOUGH of the pages of each file's first and last listed pieces are in the page cache: a
-    warm start reads nothing."""
+    """Whether CACHED_ENOUGH of the pages of the files' first and last listed pieces, together, are in the page
+    cache: a warm start reads nothing."""
     from runtime.weights.residency import CACHED_ENOUGH
 
     ends: dict[str, list[Piece]] = {}

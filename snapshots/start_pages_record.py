@@ -1,6 +1,6 @@
 """faas-build's list of the file pages a start from a CRIU snapshot touches (snapshots/start_pages.py says why
-and how the entry point reads them): the function started from the snapshot, a short and a longer request served, then the
-pages of files its processes hold, from /proc/PID/pagemap."""
+and how the entry point reads them): the function started from the snapshot, a short and a longer request
+served, then the pages of files its processes hold, from /proc/PID/pagemap."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Iterable
 
 from runtime.logs import get_logger
+from runtime.weights.temps import write_atomically
 from snapshots.start_pages import LIST_FILE, FilePages
 
 log = get_logger("snapshots.start_pages")
@@ -32,26 +33,26 @@ def touched_pages(pids: Iterable[int], leave_out: Iterable[str] = ()) -> list[Fi
     each file's header, and restores the written pages over the file's, at the start of the restore), then
     the rest. Files under a LEAVE_OUT folder are left out (the weights: read by their own prefetch)."""
     leave_out = tuple(os.path.join(os.path.realpath(folder), "") for folder in leave_out)
-    written: dict[str, set[int]] = {}
-    read: dict[str, set[int]] = {}
+    early: dict[str, set[int]] = {}  # page indices, by path
+    rest: dict[str, set[int]] = {}
     for pid in pids:
         for start, end, offset, path in file_mappings(pid):
             if path.startswith(leave_out):
                 continue
-            early = written.setdefault(path, {0})  # the header, which CRIU checks
-            touched = read.setdefault(path, set())
+            early.setdefault(path, {0})  # the header, which CRIU checks
+            rest.setdefault(path, set())
             for i, file_page in present_pages(pid, start, end):
-                (touched if file_page else early).add(offset // PAGE + i)
+                (rest if file_page else early)[path].add(offset // PAGE + i)
     listed = []
-    for path in sorted(written):
+    for path in sorted(early):
         try:
             stat = os.stat(path)
         except OSError:
             continue
-        early = _ranges(sorted(written[path]), stat.st_size)
-        rest = _ranges(sorted(read[path] - written[path]), stat.st_size)
-        if early or rest:
-            listed.append(FilePages(path, stat.st_size, stat.st_mtime_ns, early, rest))
+        first = _ranges(sorted(early[path]), stat.st_size)
+        then = _ranges(sorted(rest[path] - early[path]), stat.st_size)
+        if first or then:
+            listed.append(FilePages(path, stat.st_size, stat.st_mtime_ns, first, then))
     return listed
 
 
@@ -122,15 +123,7 @@ def write_list(directory: Path, files: list[FilePages], kind: str) -> Path:
               "files": [{"path": f.path, "size": f.size, "mtime_ns": f.mtime_ns,
                          "early": [list(r) for r in f.early], "ranges": [list(r) for r in f.ranges]} for f in files]}
     target = Path(directory) / LIST_FILE
-    fd, temp = tempfile.mkstemp(prefix=f".{LIST_FILE}.", dir=directory)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(record, f)
-        os.chmod(temp, 0o644)
-        os.replace(temp, target)
-    except BaseException:
-        Path(temp).unlink(missing_ok=True)
-        raise
+    write_atomically(target, json.dumps(record).encode())
     return target
 
 

@@ -26,7 +26,7 @@ from runtime.weights.file_digest import mismatched
 from runtime.weights.manifest import MANIFEST, Manifest, is_layout
 from runtime.weights.s3 import S3Store, is_s3, join_key, split_url
 from runtime.weights.sources import ORIGIN
-from runtime.weights.temps import remove_dead_temps, temp_beside
+from runtime.weights.temps import remove_dead_temps, temp_beside, write_atomically
 
 log = get_logger("weights.resolve")
 
@@ -62,8 +62,8 @@ def _resolve_s3(url: str, cache: DiskCache, store: S3Store) -> Path:
         manifest = Manifest.from_json(raw, f"{url}/{MANIFEST}")
         entry = cache.entry_dir(manifest.identity())
         _fetch_small(entry, manifest, url, store)
-        _write_atomic(entry / ORIGIN, orjson.dumps({"url": url}))
-        _write_atomic(entry / MANIFEST, raw)
+        write_atomically(entry / ORIGIN, orjson.dumps({"url": url}))
+        write_atomically(entry / MANIFEST, raw)
         return entry
     return _resolve_s3_model(url, cache, store)
 
@@ -113,14 +113,8 @@ def _fetch_small(entry: Path, manifest: Manifest, url: str, store: S3Store) -> N
         log.warning("disk cache: %s fails its digest; discarded and fetched again from %s", entry / name, url)
     for name in manifest.model_files:
         if name in damaged or not (entry / name).is_file():
-            _write_atomic(entry / name, store.get_bytes(bucket, join_key(prefix, name)))
+            write_atomically(entry / name, store.get_bytes(bucket, join_key(prefix, name)))
     bad = mismatched(entry, manifest.model_files, manifest.hash)
     if bad:
         raise WeightsError(f"{url}: {bad[0]} as stored there does not match the layout's manifest: the layout "
                            "was changed after it was built")
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    temp = temp_beside(path)
-    temp.write_bytes(data)
-    os.rename(temp, path)

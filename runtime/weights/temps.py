@@ -13,6 +13,17 @@ def temp_beside(final: Path) -> Path:
     return final.with_name(f".{final.name}.tmp-{os.getpid()}")
 
 
+def write_atomically(path: Path, data: bytes) -> None:
+    """PATH holds DATA, written whole or not at all: a reader finds the old file or the new one, never a part."""
+    temp = temp_beside(path)
+    try:
+        temp.write_bytes(data)
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+
+
 def remove_dead_temps(final: Path) -> None:
     """Temporaries of `final` whose writer is gone (another live process's are not touched)."""
     for temp in final.parent.glob(f".{final.name}.tmp-*"):
