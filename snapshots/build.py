@@ -4,9 +4,10 @@
                [--dtype bfloat16] [--file-gb 2] [--chunk-mb 64] [--hash xxh3-128] [--quiet]
 
 The snapshots are baked for the settings the function will boot with: the same environment variables as
-faas-bootstrap (DEVICE, MAX_MODEL_LEN, MAX_NUM_SEQS, GPU_MEMORY_UTILIZATION, ...), MODEL being --out. Then
-the function is started from each baked snapshot, in turns (--time-restores rounds), and the measured order
-is written beside them for RESTORE=auto (snapshots/restore_timing.py).
+faas-bootstrap (DEVICE, MAX_MODEL_LEN, MAX_NUM_SEQS, GPU_MEMORY_UTILIZATION, ...), MODEL being --out. The
+function is started once from each CRIU snapshot to list the file pages a start touches (snapshots/start_pages.py),
+then from each baked snapshot, in turns (--time-restores rounds), and the measured order is written beside them
+for RESTORE=auto (snapshots/restore_timing.py).
 
 Each step takes the build (arguments and what earlier steps produced) and adds to it; a step that cannot be
 done raises BuildError (or WeightsError) and the command prints one line, `faas-build: <reason>`, exit 2.
