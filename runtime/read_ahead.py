@@ -4,8 +4,8 @@ Nothing waits for a read-ahead: whoever reads the same bytes later finds them in
 the read in flight rather than starting another. A read that fails ends that thread's share quietly (`error`
 says what failed): whoever needs the bytes reads them, and says what is wrong.
 
-Imports: os, threading and time (the entry point imports this once it has started CRIU); an exact read-ahead's
-page-cache check imports ctypes (runtime/weights/residency.py) on its threads.
+Imports: os, threading and time (the entry point imports this once it has started CRIU); the page-cache
+checks import ctypes (runtime/weights/residency.py) when first made.
 """
 
 from __future__ import annotations
