@@ -2,7 +2,8 @@
 # Process restores of several commits of the project side by side on one GPU machine, their rounds interleaved:
 # what a change to the start costs or gains, on one machine and in one run. Each arm NAME=REV gets its own tree
 # (`git archive REV`) and its own process snapshot, baked by that tree from one layout of SHAPE (the first arm's
-# faas-build makes it, with the materialized state every arm shares: arms whose engines allocate alike). A round
+# faas-build makes it, with the materialized state every arm shares: arms whose engines allocate alike), with its
+# start pages where the tree lists them (docs/snapshots.md). A round
 # runs `faas-bench coldstart --modes process --repeat 1` in each arm, page cache CACHE (warm or dropped: then
 # each start beside its own reference read of the weights). Results in $RESULTS/NAME-ROUND (default results/).
 # Run scripts/gpu_suite.sh setup first. DEVICE (default cuda) runs it on another device (DEVICE=cpu: the
@@ -38,12 +39,20 @@ for arm in "$@"; do
             --time-restores 0)
         first=$tree
     else
+        mkdir -p "$tree.snapshots"
+        if [ -d "$first.snapshots/materialized" ]; then cp -r "$first.snapshots/materialized" "$tree.snapshots/"; fi
+        # and, in a tree that has them, the start pages, as its faas-build would list them
         (cd "$tree" && DEVICE="$DEVICE" MODEL="$layout" SNAPSHOT_DIR="$tree.snapshots" PYTHONPATH="$SITE:$tree" "$PY" -c "
 from pathlib import Path
 from runtime.config import Settings
 from snapshots.bake import bake_snapshots
-print(*bake_snapshots(Settings.from_env(), Path('$layout'), kinds=('process',)), sep='\n')")
-        if [ -d "$first.snapshots/materialized" ]; then cp -r "$first.snapshots/materialized" "$tree.snapshots/"; fi
+print(*bake_snapshots(Settings.from_env(), Path('$layout'), kinds=('process',)), sep='\n')
+try:
+    from snapshots.start_pages_record import record_start_pages
+except ImportError:
+    pass
+else:
+    record_start_pages(Path('$layout'), Path('$tree.snapshots'), 'process')")
     fi
 done
 for round in $(seq "$rounds"); do
