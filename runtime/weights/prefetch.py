@@ -3,16 +3,17 @@ there (runtime/entry.py; PREFETCH_WEIGHTS).
 
 From cold disk the weights are most of what a start reads (15 GiB for Llama-3-8B), yet whoever streams them
 starts late: a process restore's weight helper once its own CUDA context exists, a cold start once torch is
-imported (seconds). Read into the page cache at once, READERS threads at a time in the layout's order (the
-order every stream reads them in), they are there when the stream comes, or being read: the kernel then
-waits for the same read rather than starting another. Nothing waits for the prefetch itself.
+imported (seconds). Read into the page cache at once, READERS threads at a time (PREFETCH_READERS) in the
+layout's order (the order every stream reads them in), right after the start pages where there are some
+(snapshots/start_pages.py), they are there when the stream comes, or being read: the kernel then waits for the
+same read rather than starting another. Nothing waits for the prefetch itself.
 
 It is left out where it cannot help: the weights in the page cache already (runtime/weights/residency.py, or
 a kernel that cannot say), more of them than the memory available (they would evict each other), a model
 that is not a local faas-build layout.
 
-Imports: os, json and threading at start; the page-cache check's own (ctypes) once the entry point has
-started CRIU.
+Imports: os, json and runtime/read_ahead.py's (threading, time), and the page-cache check's own (ctypes), all
+once the entry point has started CRIU.
 """
 
 from __future__ import annotations
