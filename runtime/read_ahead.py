@@ -42,9 +42,8 @@ class ReadAhead:
         self._lock = threading.Lock()
         self._running = readers
         self._announced = False  # logging is set up after the read-ahead starts
-        self._threads = [threading.Thread(target=self._read, name=what, daemon=True) for _ in range(readers)]
-        for thread in self._threads:
-            thread.start()
+        for _ in range(readers):
+            threading.Thread(target=self._read, name=what, daemon=True).start()
 
     def _read(self) -> None:
         fds: dict[str, int] = {}

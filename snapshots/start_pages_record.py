@@ -99,20 +99,16 @@ def _ranges(indices: list[int], size: int) -> tuple[tuple[int, int], ...]:
 
 
 def descendants(pid: int) -> list[int]:
-    """PID and every process below it."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parent = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(parent, []).append(int(entry))
+    """PID and every process below it, as the kernel lists each thread's children (snapshots/checkpoint.py
+    finds the frozen runtime the same way)."""
     found, queue = [], [pid]
     while queue:
         found.append(queue.pop())
-        queue.extend(children.get(found[-1], []))
+        for children in Path(f"/proc/{found[-1]}/task").glob("*/children"):
+            try:
+                queue.extend(int(child) for child in children.read_text().split())
+            except OSError:  # the thread or the process has exited
+                continue
     return found
 
 
