@@ -1,6 +1,6 @@
 """Which files under some folders are in the page cache, and how much of each: run right after a start from a
 dropped page cache (`faas-bench coldstart --page-cache dropped`, which ends with that start), it says what the
-start read from disk, file by file (and whatever else read meanwhile). The bench's `read from disk` column is
+start read from disk, file by file (and whatever else read meanwhile). The bench's `read to exit` column is
 the total; this is where it came from.
 
     python scripts/page_cache_by_file.py /tmp/thawllm-models/llama-3-8b-baked /tmp/site /usr/lib --top 25

@@ -65,7 +65,8 @@ async def run_coldstart(plan: ColdStartPlan) -> list[ModeResult]:
                                                  plan.settings.get("DTYPE", "auto"), prompt, page_cache,
                                                  log_path, plan.timeout_s)
                     else:
-                        run = await _start_server_once(client, plan, mode, prompt, page_cache, log_path)
+                        run = await _start_server_once(client, plan, mode, prompt, page_cache, log_path,
+                                                       read_before)
                 except ModeUnavailable as why:
                     results[mode] = ModeResult(mode, "skipped", str(why))
                 except BenchError as exc:
@@ -79,8 +80,10 @@ async def run_coldstart(plan: ColdStartPlan) -> list[ModeResult]:
 
 
 async def _start_server_once(client: httpx.AsyncClient, plan: ColdStartPlan, mode: str, prompt, page_cache: str,
-                             log_path: Path) -> StartRun:
-    """Raises ModeUnavailable when the server took another path than `mode`."""
+                             log_path: Path, read_before: int | None) -> StartRun:
+    """Raises ModeUnavailable when the server took another path than `mode`. READ_BEFORE: the disks' count at
+    the spawn, for what the start read until its answer (its shutdown reads more: libraries' exit code)."""
+    read_to_answer = None
     instance = Instance.spawn(mode, plan.settings, log_path)
     try:
         await instance.wait_ready(client, plan.timeout_s)
@@ -89,13 +92,17 @@ async def _start_server_once(client: httpx.AsyncClient, plan: ColdStartPlan, mod
                                           every_token=True)
         if not timing.ok:
             raise BenchError(f"the {mode} server's first request failed: {timing.error}")
+        read_now = bytes_read_from_disks()
+        if read_before is not None and read_now is not None:
+            read_to_answer = read_now - read_before
         health = await instance.fetch_health(client)  # now with the first_token stage
     finally:
         await instance.stop()
     stages = health.get("stages") or stages_from_durations(health.get("timeline", {}))
     return StartRun(mode=mode, restore_path=mode, spawn_to_ready_s=round(instance.ready_at - instance.spawned_at, 6),
                     spawn_to_first_token_s=round(timing.first_token_at - instance.spawned_at, 6), stages=stages,
-                    prompt_tokens=timing.prompt_tokens, page_cache=page_cache)
+                    prompt_tokens=timing.prompt_tokens, page_cache=page_cache,
+                    disk_read_to_answer_bytes=read_to_answer)
 
 
 def _prepare_page_cache(wanted: str) -> str:

@@ -53,6 +53,8 @@ class StartRun:
     page_cache: str
     #: read from the machine's disks from the spawn until the process was stopped (runtime/bench/disk_read.py)
     disk_read_bytes: int | None = None
+    #: of which until the first request's answer was complete: what the start itself read (a server's start)
+    disk_read_to_answer_bytes: int | None = None
 
 
 @dataclass

@@ -38,21 +38,23 @@ def coldstart_summary(result: ModeResult) -> dict[str, Any]:
         for name, seconds in stage_seconds(run).items():
             per_stage.setdefault(name, []).append(seconds)
     read = [r.disk_read_bytes / GiB for r in result.runs if r.disk_read_bytes is not None]
+    to_answer = [r.disk_read_to_answer_bytes / GiB for r in result.runs if r.disk_read_to_answer_bytes is not None]
     return {"spawn_to_first_token_s": spread([r.spawn_to_first_token_s for r in result.runs]),
             "spawn_to_ready_s": spread([r.spawn_to_ready_s for r in result.runs]),
+            **({"disk_read_to_answer_gib": spread(to_answer)} if to_answer else {}),
             **({"disk_read_gib": spread(read)} if read else {}),
             "stages_s": {name: spread(values) for name, values in _in_stage_order(per_stage)}}
 
 
 def coldstart_table(results: list[ModeResult]) -> str:
     """One row per mode: spawn -> first token (median, min, max), spawn -> ready, what the start read from disk
-    (runs from a dropped page cache), and each stage's median."""
+    until its answer and until its exit (runs from a dropped page cache), and each stage's median."""
     summaries = {r.mode: coldstart_summary(r) for r in results}
     stage_names = [name for name, _ in _in_stage_order(
         {name: None for s in summaries.values() for name in s.get("stages_s", {})})]
     read = any(run.page_cache == "dropped" and run.disk_read_bytes is not None for r in results for run in r.runs)
     head = (["mode", "runs", "spawn → first token (s), median", "min", "max", "spawn → ready (s)"]
-            + (["read from disk (GiB)"] if read else []) + stage_names)
+            + (["read to answer (GiB)", "read to exit (GiB)"] if read else []) + stage_names)
     rows = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for result in results:
         s = summaries[result.mode]
@@ -63,7 +65,8 @@ def coldstart_table(results: list[ModeResult]) -> str:
             cells = [result.mode, str(len(result.runs)), f"{first['median']:.3f}", f"{first['min']:.3f}",
                      f"{first['max']:.3f}", f"{s['spawn_to_ready_s']['median']:.3f}"]
             if read:
-                cells.append(f"{s['disk_read_gib']['median']:.2f}" if "disk_read_gib" in s else "")
+                cells += [f"{s[key]['median']:.2f}" if key in s else "" for key in ("disk_read_to_answer_gib",
+                                                                                    "disk_read_gib")]
             cells += [f"{s['stages_s'][n]['median']:.3f}" if n in s["stages_s"] else "" for n in stage_names]
         rows.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
     return "\n".join(rows)
