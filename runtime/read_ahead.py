@@ -4,8 +4,8 @@ Nothing waits for a read-ahead: whoever reads the same bytes later finds them in
 the read in flight rather than starting another. A read that fails ends that thread's share quietly (`error`
 says what failed): whoever needs the bytes reads them, and says what is wrong.
 
-Imports: os, threading, time and collections, which threading imports (the entry point imports this once it
-has started CRIU); the page-cache checks import ctypes (runtime/weights/residency.py) when first made.
+Imports: os, threading and time (the entry point imports this once it has started CRIU); the page-cache
+checks import ctypes (runtime/weights/residency.py) when first made.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections import deque
 
 #: what one read asks for at most
 READ_BYTES = 8 << 20
@@ -26,9 +25,7 @@ class ReadAhead:
     """READERS threads reading PIECES, in order, into the page cache. AFTER: an earlier read-ahead whose end
     these threads wait for first (the disk serves one at a time best). EXACT: exactly the pieces, with no
     read-ahead of the kernel's around them (POSIX_FADV_RANDOM on each file), and a piece already in the page
-    cache is not read again. Exact pieces are small and scattered (a start's pages): the threads first ask
-    the kernel for all of them (POSIX_FADV_WILLNEED, which queues the reads and returns), so the disk has
-    every read at once rather than one per thread, then read each, which waits for its pages to arrive."""
+    cache is not read again."""
 
     def __init__(self, what: str, pieces: list[Piece], readers: int, after: "ReadAhead | None" = None,
                  exact: bool = False) -> None:
@@ -42,7 +39,6 @@ class ReadAhead:
         self.error: str | None = None
         self.done = threading.Event()
         self._pieces = iter(pieces)
-        self._asked: deque[Piece] = deque()  # exact pieces the kernel was asked for, not yet read
         self._lock = threading.Lock()
         self._running = readers
         self._announced = False  # logging is set up after the read-ahead starts
@@ -55,15 +51,16 @@ class ReadAhead:
             if self.after is not None:
                 self.after.done.wait()
             buffer = bytearray(READ_BYTES)
-            if self.exact:
-                self._ask(fds)
             while True:
                 with self._lock:
-                    piece = self._asked.popleft() if self.exact and self._asked else next(self._pieces, None)
+                    piece = next(self._pieces, None)
                 if piece is None:
                     return
                 path, offset, length = piece
-                _read_piece(self._fd(fds, path), offset, offset + length, buffer)
+                if path not in fds:
+                    fds[path] = self._open(path)
+                if not self.exact or not piece_cached(fds[path], offset, length):
+                    _read_piece(fds[path], offset, offset + length, buffer)
         except OSError as exc:
             self.error = str(exc)
         finally:
@@ -78,26 +75,11 @@ class ReadAhead:
             if report:
                 self.report()
 
-    def _ask(self, fds: dict[str, int]) -> None:
-        """Queue the read of every piece not in the page cache, in order; each is then read (`_asked`)."""
-        while True:
-            with self._lock:
-                piece = next(self._pieces, None)
-            if piece is None:
-                return
-            path, offset, length = piece
-            fd = self._fd(fds, path)
-            if not piece_cached(fd, offset, length):
-                os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
-                with self._lock:
-                    self._asked.append(piece)
-
-    def _fd(self, fds: dict[str, int], path: str) -> int:
-        if path not in fds:
-            fds[path] = fd = os.open(path, os.O_RDONLY)
-            if self.exact:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # this open file reads what it is asked, no more
-        return fds[path]
+    def _open(self, path: str) -> int:
+        fd = os.open(path, os.O_RDONLY)
+        if self.exact:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # this open file reads what it is asked, no more
+        return fd
 
     def announce(self) -> None:
         """Log that it runs, once logging is set up; and how it went, now if it is over, else when it is."""

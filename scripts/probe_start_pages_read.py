@@ -1,7 +1,7 @@
-"""How fast a snapshot's start pages come into a dropped page cache: queued all at once, as the entry point
-reads them (runtime/read_ahead.py: POSIX_FADV_WILLNEED for every piece, then a read of each that waits for
-it), against one read in flight per thread (each thread reads a piece, then the next). The page cache is
-dropped before each read; the two alternate for --rounds rounds. Needs root (drop_caches).
+"""How fast a snapshot's start pages come into a dropped page cache: one read in flight per thread, as the
+entry point reads them (runtime/read_ahead.py: each thread reads a piece, then the next), against every read
+queued at once (POSIX_FADV_WILLNEED for every piece, then a read of each that waits for it). The page cache
+is dropped before each read; the two alternate for --rounds rounds. Needs root (drop_caches).
 
     python scripts/probe_start_pages_read.py /tmp/thawllm-models/llama-3-8b-baked/snapshots/process/start-pages.json \
         --out start-pages-read-h200.json
@@ -27,21 +27,22 @@ from runtime.read_ahead import Piece, ReadAhead  # noqa: E402
 from snapshots.start_pages import pieces, read_list  # noqa: E402
 
 
-def queued(listed: list[Piece], readers: int) -> float:
+def one_per_thread(listed: list[Piece], readers: int) -> float:
     read = ReadAhead("start pages", listed, readers, exact=True)
     read.join()
     return read.ended - read.started
 
 
-def one_per_thread(listed: list[Piece], readers: int) -> float:
+def queued(listed: list[Piece], readers: int) -> float:
     started = time.time()
     fds: dict[str, int] = {}
-    for path, _, _ in listed:
+    for path, offset, length in listed:
         if path not in fds:
             fds[path] = os.open(path, os.O_RDONLY)
             os.posix_fadvise(fds[path], 0, 0, os.POSIX_FADV_RANDOM)
+        os.posix_fadvise(fds[path], offset, length, os.POSIX_FADV_WILLNEED)  # queued; returns at once
     try:
-        with ThreadPoolExecutor(readers) as pool:
+        with ThreadPoolExecutor(readers) as pool:  # each read waits for its pages to arrive
             list(pool.map(lambda piece: os.pread(fds[piece[0]], piece[2], piece[1]), listed))
     finally:
         for fd in fds.values():
@@ -64,9 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     if not listed:
         print(f"probe_start_pages_read: {args.list}: no piece of it is as it was baked", file=sys.stderr)
         return 2
-    seconds: dict[str, list[float]] = {"queued": [], "one per thread": []}
+    seconds: dict[str, list[float]] = {"one per thread": [], "queued": []}
     for round_ in range(args.rounds):
-        for name, read in (("queued", queued), ("one per thread", one_per_thread)):
+        for name, read in (("one per thread", one_per_thread), ("queued", queued)):
             why_not = drop_page_cache()
             if why_not:
                 print(f"probe_start_pages_read: {why_not}", file=sys.stderr)
