@@ -82,7 +82,7 @@ async def run_coldstart(plan: ColdStartPlan) -> list[ModeResult]:
 async def _start_server_once(client: httpx.AsyncClient, plan: ColdStartPlan, mode: str, prompt, page_cache: str,
                              log_path: Path, read_before: int | None) -> StartRun:
     """Raises ModeUnavailable when the server took another path than `mode`. READ_BEFORE: the disks' count at
-    the spawn, for what the start read until its answer (its shutdown reads more: libraries' exit code)."""
+    the spawn, for what the start read until its answer (its shutdown reads more)."""
     read_to_answer = None
     instance = Instance.spawn(mode, plan.settings, log_path)
     try:
