@@ -112,3 +112,29 @@ def test_what_is_not_read_and_why(tmp_path):
     (snapshots / "process" / LIST_FILE).write_text('{"files": [{"path": "x"}]}')
     assert start_pages.start(str(snapshots), "process") is None
     assert start_pages.skipped.startswith("ValueError") and "not a list of start pages" in start_pages.skipped
+
+
+def test_the_read_probe_reads_a_list_both_ways_exactly_or_says_why_not(tmp_path):
+    """scripts/probe_start_pages_read.py: from a dropped page cache, one read per thread and all queued at once
+    each bring in the listed pages and no other (the last way's leave exactly those cached); a missing list is
+    one line and exit 2."""
+    import json
+
+    path = data_file(tmp_path / "lib.so", 8 * MiB)
+    drop_from_page_cache(path)  # skips where this machine's page cache keeps the file
+    stat = path.stat()
+    early, ranges = ((0, PAGE),), ((2 * MiB, 64 * PAGE), (6 * MiB, 16 * PAGE))
+    listed = write_list(tmp_path, [FilePages(str(path), stat.st_size, stat.st_mtime_ns, early, ranges)], "process")
+    repo, out = Path(__file__).resolve().parents[2], tmp_path / "probe.json"
+    done = subprocess.run([sys.executable, "scripts/probe_start_pages_read.py", str(listed), "--rounds", "1",
+                           "--out", str(out)], cwd=repo, capture_output=True, text=True, timeout=120)
+    if done.returncode == 2 and "cannot drop the page cache" in done.stderr:
+        pytest.skip(done.stderr.strip())
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    assert report["bytes"] == 81 * PAGE and report["pieces"] == 3
+    assert set(report["median_s"]) == {"one per thread", "queued"} and min(report["median_s"].values()) > 0
+    assert cached_bytes(path) == 81 * PAGE
+    bad = subprocess.run([sys.executable, "scripts/probe_start_pages_read.py", str(tmp_path / "nowhere.json")],
+                         cwd=repo, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "nowhere.json" in bad.stderr
