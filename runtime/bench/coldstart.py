@@ -72,9 +72,7 @@ async def run_coldstart(plan: ColdStartPlan) -> list[ModeResult]:
                 except BenchError as exc:
                     results[mode] = ModeResult(mode, "failed", str(exc), result.runs)
                 else:
-                    read_after = bytes_read_from_disks()
-                    if read_before is not None and read_after is not None:
-                        run.disk_read_bytes = read_after - read_before
+                    run.disk_read_bytes = _read_since(read_before)
                     result.runs.append(run)
     return list(results.values())
 
@@ -83,7 +81,6 @@ async def _start_server_once(client: httpx.AsyncClient, plan: ColdStartPlan, mod
                              log_path: Path, read_before: int | None) -> StartRun:
     """Raises ModeUnavailable when the server took another path than `mode`. READ_BEFORE: the disks' count at
     the spawn, for what the start read until its answer (its shutdown reads more)."""
-    read_to_answer = None
     instance = Instance.spawn(mode, plan.settings, log_path)
     try:
         await instance.wait_ready(client, plan.timeout_s)
@@ -92,9 +89,7 @@ async def _start_server_once(client: httpx.AsyncClient, plan: ColdStartPlan, mod
                                           every_token=True)
         if not timing.ok:
             raise BenchError(f"the {mode} server's first request failed: {timing.error}")
-        read_now = bytes_read_from_disks()
-        if read_before is not None and read_now is not None:
-            read_to_answer = read_now - read_before
+        read_to_answer = _read_since(read_before)
         health = await instance.fetch_health(client)  # now with the first_token stage
     finally:
         await instance.stop()
@@ -103,6 +98,12 @@ async def _start_server_once(client: httpx.AsyncClient, plan: ColdStartPlan, mod
                     spawn_to_first_token_s=round(timing.first_token_at - instance.spawned_at, 6), stages=stages,
                     prompt_tokens=timing.prompt_tokens, page_cache=page_cache,
                     disk_read_to_answer_bytes=read_to_answer)
+
+
+def _read_since(before: int | None) -> int | None:
+    """Bytes the machine's disks read since their count was BEFORE; None where either count is unknown."""
+    now = bytes_read_from_disks()
+    return None if before is None or now is None else now - before
 
 
 def _prepare_page_cache(wanted: str) -> str:
