@@ -263,6 +263,11 @@ class Settings:
         "snapshots on cuda): auto (a helper process, while CRIU restores the runtime; for a process snapshot "
         "only when they are not in the page cache), 1 (the helper, always) or 0 (the restored runtime, after "
         "its restore)")
+    weights_memory_first: bool = _setting(
+        "WEIGHTS_MEMORY_FIRST", _bool, True,
+        "a helper streaming the weights during a restore hands its device memory over before the stream: the "
+        "restored runtime maps it and sets its KV cache and graphs up while the weights arrive, and serves once "
+        "they all have (0: the memory comes with the stream's report, and the set-up after it)")
     prime_driver: bool = _setting(
         "PRIME_DRIVER", _bool, True,
         "process snapshots on cuda: a short-lived process runs cuInit while CRIU restores the runtime, so that "

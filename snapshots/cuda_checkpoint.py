@@ -80,7 +80,7 @@ class RestoreHelper:
 
     `close()` stops a helper whose restore failed; `detach()` lets one that restored finish its handover."""
 
-    def __init__(self, weights: Path | None = None, cuda_restore: bool = True) -> None:
+    def __init__(self, weights: Path | None = None, cuda_restore: bool = True, memory_first: bool = True) -> None:
         if not cuda_restore and weights is None:
             raise ValueError("a helper that restores no CUDA state has only the weights to stream")
         self.restores_cuda = cuda_restore
@@ -91,6 +91,8 @@ class RestoreHelper:
         if weights is not None:
             ours, self.channel = socket.socketpair()
             command += ["--weights", str(weights), "--channel-fd", str(ours.fileno())]
+            if not memory_first:
+                command.append("--memory-after-stream")
         self._proc = subprocess.Popen(command, stdin=subprocess.PIPE if cuda_restore else subprocess.DEVNULL,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                       pass_fds=(ours.fileno(),) if ours is not None else ())
@@ -151,7 +153,7 @@ def _check(result: tuple, name: str) -> None:
         raise CudaCheckpointError(str(exc)) from None
 
 
-def _restore_from_stdin(weights: Path | None, channel_fd: int | None) -> None:
+def _restore_from_stdin(weights: Path | None, channel_fd: int | None, memory_first: bool = True) -> None:
     """The helper's side of RestoreHelper: cuInit, start streaming WEIGHTS (if any), then restore the pid the
     bootstrap sends once CRIU has restored it, say so, and finish the weights' handover."""
     from cuda.bindings import driver
@@ -162,7 +164,8 @@ def _restore_from_stdin(weights: Path | None, channel_fd: int | None) -> None:
         from snapshots.weights_during_restore import stream_for_handover
 
         channel = socket.socket(fileno=channel_fd)
-        handover = threading.Thread(target=stream_for_handover, args=(weights, channel), daemon=True)
+        handover = threading.Thread(target=stream_for_handover, args=(weights, channel, memory_first),
+                                    daemon=True)
         handover.start()
     line = sys.stdin.readline().strip()
     if not line:  # the bootstrap gave up before there was a process to restore
@@ -179,10 +182,12 @@ if __name__ == "__main__":
     parser.add_argument("pid", help="the process, or - to initialise CUDA first and then read it from stdin")
     parser.add_argument("--weights", type=Path, help="restore -: a layout to stream while CRIU restores")
     parser.add_argument("--channel-fd", type=int, help="restore -: the socket to hand the weights over on")
+    parser.add_argument("--memory-after-stream", action="store_true",
+                        help="restore -: hand the weights' memory over with the stream's report")
     args = parser.parse_args()
     try:
         if args.pid == "-":
-            _restore_from_stdin(args.weights, args.channel_fd)
+            _restore_from_stdin(args.weights, args.channel_fd, not args.memory_after_stream)
         else:
             {"checkpoint": checkpoint, "restore": restore}[args.action](int(args.pid))
     except CudaCheckpointError as exc:

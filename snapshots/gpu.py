@@ -26,9 +26,10 @@ if TYPE_CHECKING:
 log = get_logger("snapshots.gpu")
 
 
-def gpu_hooks(weights_during_restore: str = "never") -> CriuHooks:
+def gpu_hooks(weights_during_restore: str = "never", memory_first: bool = True) -> CriuHooks:
     """WEIGHTS_DURING_RESTORE: at boot, let the CUDA restore helper stream a weight-less image's weights
-    while CRIU restores (snapshots/weights_during_restore.py)."""
+    while CRIU restores (snapshots/weights_during_restore.py), handing its memory over before the stream
+    unless MEMORY_FIRST is False (WEIGHTS_MEMORY_FIRST)."""
     if not bindings_installed():
         raise SkipPath("cuda-bindings is not installed (the CUDA checkpoint API)")
 
@@ -36,7 +37,7 @@ def gpu_hooks(weights_during_restore: str = "never") -> CriuHooks:
         from snapshots.cuda_checkpoint import RestoreHelper
 
         stream = boot and weights_during_restore != "never" and image.weights_left_out
-        return RestoreHelper(Path(image.model_dir) if stream else None)
+        return RestoreHelper(Path(image.model_dir) if stream else None, memory_first=memory_first)
 
     return CriuHooks(before_dump=_checkpoint_cuda, start_restore_helper=start_cuda_restore,
                      criu_options=list(kind_options("gpu")))

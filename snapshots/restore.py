@@ -304,7 +304,8 @@ def _hooks(kind: str, settings: Settings) -> "CriuHooks":
     if kind == "process":
         from snapshots.process import process_hooks
 
-        return process_hooks(settings.weights_during_restore, settings.lazy_pages)
+        return process_hooks(settings.weights_during_restore, settings.lazy_pages, settings.weights_memory_first)
     from snapshots.gpu import gpu_hooks
 
-    return gpu_hooks(settings.weights_during_restore)  # raises SkipPath without cuda-bindings
+    # raises SkipPath without cuda-bindings
+    return gpu_hooks(settings.weights_during_restore, settings.weights_memory_first)

@@ -40,17 +40,31 @@ def test_layout_streams_to_the_gpu_byte_for_byte_and_text_is_unchanged(tiny_mode
     assert greedy(start(str(layout), settings)) == greedy(start(src, settings))
 
 
-def test_weights_streamed_by_a_torch_free_process_map_under_the_engines_range(tiny_model, tmp_path):
-    """The gpu restore's handover (snapshots/weights_during_restore.py) without CRIU: another process, which
-    never imports torch, streams a layout into exportable memory; this one maps it under a released weight
-    range and reads the same bytes as the torch loader wrote."""
-    import os
+def _helper(layout: Path, memory_first: bool = True):
+    """The weights' helper in a process of its own, as a restore starts it; returns (it, our end)."""
     import socket
     import subprocess
     import sys
 
+    ours, theirs = socket.socketpair()
+    script = ("import socket, sys; from pathlib import Path; "
+              "from snapshots.weights_during_restore import stream_for_handover; "
+              "stream_for_handover(Path(sys.argv[1]), socket.socket(fileno=int(sys.argv[2])), sys.argv[3] == '1'); "
+              "sys.exit(3 if 'torch' in sys.modules else 0)")
+    helper = subprocess.Popen([sys.executable, "-c", script, str(layout), str(theirs.fileno()), str(int(memory_first))],
+                              pass_fds=(theirs.fileno(),))
+    theirs.close()
+    return helper, ours
+
+
+@pytest.mark.parametrize("memory_first", [True, False], ids=["memory-first", "memory-after-stream"])
+def test_weights_streamed_by_a_torch_free_process_map_under_the_engines_range(tiny_model, tmp_path, memory_first):
+    """The restore's handover (snapshots/weights_during_restore.py) without CRIU: another process, which never
+    imports torch, makes exportable memory, hands it over and streams a layout into it (or, with the memory
+    after the stream, streams first); this one maps it under a released weight range as soon as it comes and,
+    once the report says the weights all arrived, reads the same bytes as the torch loader wrote."""
     from runtime.engine.vmm import ReleasableBuffer
-    from snapshots.weights_during_restore import ACK, receive_report
+    from snapshots.weights_during_restore import ExportedWeights
 
     src = tiny_model("tiny-qwen3")
     layout = tmp_path / "layout"
@@ -61,22 +75,51 @@ def test_weights_streamed_by_a_torch_free_process_map_under_the_engines_range(ti
 
     weights = ReleasableBuffer(plan.total_bytes, torch.device("cuda"))
     weights.release()
-    ours, theirs = socket.socketpair()
-    script = ("import socket, sys; from pathlib import Path; "
-              "from snapshots.weights_during_restore import stream_for_handover; "
-              "stream_for_handover(Path(sys.argv[1]), socket.socket(fileno=int(sys.argv[2]))); "
-              "sys.exit(3 if 'torch' in sys.modules else 0)")
-    helper = subprocess.Popen([sys.executable, "-c", script, str(layout), str(theirs.fileno())],
-                              pass_fds=(theirs.fileno(),))
-    theirs.close()
-    report, fd = receive_report(ours)
-    assert report.ok, report.reason
-    assert report.bytes == plan.total_bytes and report.finished >= report.started > 0
-    weights.adopt(fd, report.size)
-    os.close(fd)
-    ours.sendall(ACK)
+    helper, ours = _helper(layout, memory_first)
+    exported = ExportedWeights(ours)
+    taken = exported.take()
+    assert taken is not None, exported.reason
+    weights.adopt(*taken)
+    exported.mapped(True)
+    arrived = exported.arrived()
+    assert arrived is not None, exported.reason
+    started, finished, detail = arrived
+    assert detail["bytes"] == plan.total_bytes and finished >= started > 0
     assert helper.wait(timeout=60) == 0  # 3: it imported torch
     assert torch.equal(weights.tensor[:plan.total_bytes], expected)
+
+
+def test_a_chunk_that_fails_the_helpers_check_is_not_used(tiny_model, tmp_path):
+    """A layout file damaged on disk: the helper's memory is mapped, then its report names the chunk; the
+    range gets new memory in place of the helper's, which the restored process streams into itself."""
+    from runtime.engine.vmm import ReleasableBuffer
+    from runtime.weights.manifest import Manifest
+    from snapshots.weights_during_restore import ExportedWeights
+
+    layout = tmp_path / "layout"
+    write_layout(tiny_model("tiny-qwen3"), str(layout), dtype="bfloat16", file_bytes=100_000, chunk_bytes=40_000,
+                 progress=False)
+    manifest = Manifest.read(layout)
+    victim = layout / manifest.files[-1].name
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    victim.write_bytes(bytes(data))
+
+    weights = ReleasableBuffer(manifest.plan.total_bytes, torch.device("cuda"))
+    weights.release()
+    helper, ours = _helper(layout)
+    exported = ExportedWeights(ours)
+    weights.adopt(*exported.take())
+    adopted = weights._handle
+    exported.mapped(True)
+    assert exported.arrived() is None
+    assert victim.name in exported.reason and "check" in exported.reason
+    weights.replace_adopted()
+    assert weights.mapped and weights._handle is not adopted
+    weights.tensor.fill_(7)  # new memory, ours alone
+    torch.cuda.synchronize()
+    assert helper.wait(timeout=60) == 0
+    assert int(weights.tensor[: manifest.plan.total_bytes].min()) == 7
 
 
 def test_a_local_load_is_verified_on_the_gpu_and_a_flipped_bit_names_its_file(tiny_model, tmp_path):

@@ -84,16 +84,21 @@ class GraphRestorer(Protocol):
 
 
 class WeightHandover(Protocol):
-    """Device memory another process filled with the weights while this one was being restored (a process
-    snapshot's restore: snapshots/weights_during_restore.py)."""
+    """Device memory another process streams the weights into while this one is being restored (a process
+    snapshot's restore: snapshots/weights_during_restore.py). The engine maps it as soon as it exists and
+    sets up around it; it serves nothing before `arrived()`."""
 
     def take(self) -> tuple[int, int] | None:
-        """Block until it is there: (POSIX descriptor, bytes) of the exported memory, or None (why is
-        logged): the engine streams the weights itself."""
+        """Block until the memory is there, its weights maybe still arriving: (POSIX descriptor, bytes) of the
+        exported memory, or None (why is logged): the engine streams the weights itself."""
 
-    def mapped(self, ok: bool) -> tuple[float, float, dict]:
-        """The memory is mapped (or failed to map): let the other process go. Returns (time.time() the
-        weights started and finished arriving, the timeline's detail)."""
+    def mapped(self, ok: bool) -> None:
+        """The memory is mapped (or failed to map: the other process is let go)."""
+
+    def arrived(self) -> tuple[float, float, dict] | None:
+        """Block until every weight is in the memory and checked: (time.time() the weights started and
+        finished arriving, the timeline's detail); None (why is logged) if they did not all arrive: the
+        memory is not used, and the engine streams the weights itself."""
 
 
 @dataclass
@@ -219,7 +224,7 @@ class Engine:
         prepared = time.time()
         runner = ModelRunner(self.model, self.model_config, self.config, self.max_model_len, memory)
         self.runner = runner
-        buffer, handed_over = self._weight_buffer(runner, releasable_memory, handover)
+        buffer, adopted = self._weight_buffer(runner, releasable_memory, handover)
         # from the device to the KV cache: how much later than the device this start was called, from then to
         # the runner (this thread's wait for the GIL, the device made current), and the runner, the weight buffer
         # and the parameters' views of it
@@ -235,10 +240,18 @@ class Engine:
         if graphs_first:
             self._prepare_graphs(runner, graph_restorer)
         beside = materialized and graphs and not graphs_first  # no weight values needed: beside the stream
-        if handed_over is not None:
-            t.record(stages.WEIGHTS, *handed_over[:2], **handed_over[2])
+        arrived = None
+        if adopted:  # the helper's memory: set up around it while its weights arrive, serve once they all have
             if beside:
                 self._prepare_graphs(runner, graph_restorer)
+                beside = False
+            waited = time.time()
+            arrived = handover.arrived()
+            if arrived is None:  # the helper's copies may still land there: stream into new memory instead
+                runner.allocator.releasable("weights").replace_adopted()
+        if arrived is not None:
+            started, finished, detail = arrived
+            t.record(stages.WEIGHTS, started, finished, **detail, waited_s=round(time.time() - waited, 4))
         else:
             with t.stage(stages.WEIGHTS, bytes=self.plan.total_bytes) as weights_stage:  # ended even if it fails
                 load = self._load_weights(self.plan, buffer)
@@ -267,22 +280,19 @@ class Engine:
             self._graphs_thread.start()
 
     def _weight_buffer(self, runner: ModelRunner, releasable: bool, handover: WeightHandover | None,
-                       ) -> tuple[torch.Tensor, tuple[float, float, dict] | None]:
-        """The weight buffer, and with a HANDOVER that delivered, when its weights arrived (else None: the
-        buffer is new memory for the loader to fill)."""
+                       ) -> tuple[torch.Tensor, bool]:
+        """The weight buffer, and whether it is a HANDOVER's memory (else it is new memory for the loader)."""
         exported = handover.take() if handover is not None else None
         if exported is not None:
-            waited = time.time()
             try:
                 buffer = runner.allocate_weights(self.plan, releasable, adopt=exported)
             except Exception as exc:  # never fatal: the weights stream as they would without a handover
                 log.warning("mapping the weights streamed during the restore failed (%s); streaming them now", exc)
                 handover.mapped(False)
             else:
-                started, finished, detail = handover.mapped(True)
-                detail["map_s"] = round(time.time() - waited, 4)
-                return buffer, (started, finished, detail)
-        return runner.allocate_weights(self.plan, releasable), None
+                handover.mapped(True)
+                return buffer, True
+        return runner.allocate_weights(self.plan, releasable), False
 
     def _allocate_kv(self, runner: ModelRunner, kv_blocks: int | None, releasable: bool,
                      detail: dict | None = None, rope: Future | None = None) -> int:

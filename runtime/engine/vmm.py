@@ -10,11 +10,15 @@ at them) and the loader streams the weights back in.
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 
 from runtime.cuda_driver import DriverError, allocation_prop, call, granularity, map_range, reserve
 from runtime.cuda_driver.device import use_device
+
+#: how long `replace_adopted` waits for another process to free the memory it exported
+REPLACE_WAIT_S = 10.0
 
 
 class ReleasableBuffer:
@@ -67,6 +71,21 @@ class ReleasableBuffer:
         if self._handle is not None:
             return
         self._map(call(self._driver.cuMemCreate(self.size, self._prop, 0), "cuMemCreate"))
+
+    def replace_adopted(self, wait_s: float = REPLACE_WAIT_S) -> None:
+        """New physical memory in place of adopted memory whose contents cannot be used (the exporting
+        process's stream failed or it died). Its copies still in flight land on the old memory, never on the
+        new. A device too full for both is retried for WAIT_S while that process frees its handle."""
+        self.release()
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                self.remap()
+                return
+            except DriverError as exc:
+                if "OUT_OF_MEMORY" not in str(exc) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
 
     def release(self) -> None:
         """Give the physical memory back; the address range stays reserved. Nothing may touch the buffer

@@ -61,6 +61,8 @@ def test_process_snapshot_serves_like_a_cold_start(tiny_model_dir, tmp_path):
         assert stage(state, "cuda_graphs")["detail"]["restored"], state["stages"]
         weights = stage(state, "weights")["detail"]
         assert weights.get("during_restore", False) == (name == "helper"), weights
+        # the helper's memory was mapped as it came: the KV cache and graphs were set up before its report
+        assert ("waited_s" in weights) == (name == "helper"), weights
     assert len(served["cold"][0]) == 24
     assert served["auto"] == served["cold"] and served["helper"] == served["cold"]
 

@@ -1,5 +1,6 @@
 """The channel between the CUDA restore helper and the restored process (snapshots/weights_during_restore.py),
-over real unix sockets: the memory's descriptor arrives intact, and whatever keeps the helper from
+over real unix sockets: the memory's descriptor arrives intact before the stream's report, the restored
+process's end waits for that report before it calls the weights arrived, and whatever keeps the helper from
 streaming reaches the restored process as a reason (it then streams the weights itself). The whole path,
 with a real gpu snapshot, is in tests/snapshots/test_gpu_snapshot.py."""
 
@@ -13,7 +14,8 @@ import pytest
 
 from runtime.weights.layout import write_layout
 from runtime.weights.manifest import Manifest
-from snapshots.weights_during_restore import StreamReport, _send, receive_report, stream_for_handover
+from snapshots.weights_during_restore import (ACK, ExportedWeights, StreamReport, _send, receive,
+                                              stream_for_handover)
 
 
 def helper_says(layout_dir) -> StreamReport:
@@ -21,7 +23,7 @@ def helper_says(layout_dir) -> StreamReport:
     helper_end, restored_end = socket.socketpair()
     helper = threading.Thread(target=stream_for_handover, args=(layout_dir, helper_end))
     helper.start()
-    report, fd = receive_report(restored_end)
+    report, fd = receive(restored_end)
     helper_end.close()
     helper.join(timeout=60)
     assert not helper.is_alive()
@@ -57,22 +59,84 @@ def test_no_gpu_is_reported_not_raised(tiny_model, tmp_path):
     assert not report.ok and report.reason  # e.g. no cuda-bindings, or cuInit: CUDA_ERROR_NO_DEVICE
 
 
-def test_the_descriptor_arrives_with_the_report():
-    helper_end, restored_end = socket.socketpair()
-    memory = os.memfd_create("weights")  # stands in for the exported device memory: any descriptor travels alike
+def helper_memory(helper_end: socket.socket) -> int:
+    """Send a memory message as the helper does, with a memfd standing in for the exported device memory (any
+    descriptor travels alike); returns the memfd."""
+    memory = os.memfd_create("weights")
     os.write(memory, b"the weights")
-    sent = StreamReport(True, size=4096, started=1.0, finished=2.0, bytes=11, tiers={"disk": {"bytes": 11}})
-    _send(helper_end, sent, memory)
-    report, fd = receive_report(restored_end)
-    assert report == sent
-    assert fd is not None and fd != memory
-    assert os.pread(fd, 64, 0) == b"the weights"
-    os.close(fd)
+    _send(helper_end, {"memory": {"size": 4096, "context_s": 0.25}}, memory)
+    return memory
+
+
+def test_the_memory_arrives_before_its_report_and_the_report_after_the_ack():
+    helper_end, restored_end = socket.socketpair()
+    memory = helper_memory(helper_end)
+    exported = ExportedWeights(restored_end)
+    fd, size = exported.take()
+    assert size == 4096 and fd != memory and os.pread(fd, 64, 0) == b"the weights"
+    exported.mapped(True)
+    assert helper_end.recv(len(ACK)) == ACK  # the helper may let its handle go once it has reported
+    sent = StreamReport(True, started=1.0, finished=2.0, bytes=11, tiers={"disk": {"bytes": 11}})
+    _send(helper_end, {"report": {"ok": True, "started": 1.0, "finished": 2.0, "bytes": 11,
+                                  "tiers": {"disk": {"bytes": 11}}}})
+    started, finished, detail = exported.arrived()
+    assert (started, finished) == (sent.started, sent.finished)
+    assert detail == {"bytes": 11, "during_restore": True, "tiers": sent.tiers, "helper_context_s": 0.25}
     os.close(memory)
 
 
-def test_a_helper_that_dies_is_a_reason():
+def test_arrived_waits_for_the_report():
+    helper_end, restored_end = socket.socketpair()
+    memory = helper_memory(helper_end)
+    exported = ExportedWeights(restored_end)
+    exported.take()
+    exported.mapped(True)
+    answer = []
+    waiting = threading.Thread(target=lambda: answer.append(exported.arrived()))
+    waiting.start()
+    waiting.join(timeout=0.3)
+    assert waiting.is_alive() and not answer  # the memory is mapped, but its weights have not all arrived
+    _send(helper_end, {"report": {"ok": True, "started": 1.0, "finished": 2.0, "bytes": 11}})
+    waiting.join(timeout=10)
+    assert answer and answer[0][1] == 2.0
+    os.close(memory)
+
+
+def test_a_stream_that_fails_after_the_memory_came_is_a_reason():
+    helper_end, restored_end = socket.socketpair()
+    memory = helper_memory(helper_end)
+    exported = ExportedWeights(restored_end)
+    exported.take()
+    exported.mapped(True)
+    _send(helper_end, {"report": {"ok": False, "reason": "WeightsError: part-00001 chunk 3 fails its check"}})
+    assert exported.arrived() is None
+    assert "part-00001 chunk 3" in exported.reason
+    os.close(memory)
+
+
+def test_a_helper_that_dies_while_it_streams_is_a_reason():
+    helper_end, restored_end = socket.socketpair()
+    memory = helper_memory(helper_end)
+    exported = ExportedWeights(restored_end)
+    exported.take()
+    exported.mapped(True)
+    helper_end.close()
+    assert exported.arrived() is None and "exited before it reported" in exported.reason
+    os.close(memory)
+
+
+def test_a_restored_process_that_cannot_map_the_memory_lets_the_helper_go():
+    helper_end, restored_end = socket.socketpair()
+    memory = helper_memory(helper_end)
+    exported = ExportedWeights(restored_end)
+    exported.take()
+    exported.mapped(False)
+    assert helper_end.recv(len(ACK)) == b""  # EOF, not the ack: the helper stops and frees its memory
+    os.close(memory)
+
+
+def test_a_helper_that_dies_first_is_a_reason():
     helper_end, restored_end = socket.socketpair()
     helper_end.close()
-    report, fd = receive_report(restored_end)
-    assert not report.ok and "exited without streaming" in report.reason and fd is None
+    exported = ExportedWeights(restored_end)
+    assert exported.take() is None and "exited before it reported" in exported.reason
