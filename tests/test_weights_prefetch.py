@@ -100,3 +100,28 @@ def test_a_function_started_from_a_dropped_layout_prefetches_it(layout, tmp_path
         finally:
             server.stop()
         assert cached_fraction(paths) == 1.0  # read either way: by the prefetch or by the engine
+
+
+def test_the_read_probe_compares_ways_of_reading_a_layout_or_says_why_not(layout, tmp_path):
+    """scripts/probe_weight_read.py: each way asked for reads the whole layout from a dropped page cache (the
+    buffered ways leave it cached); a way it cannot parse, or a folder that is no layout, is one line and exit 2."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo, out = Path(__file__).resolve().parents[1], tmp_path / "probe.json"
+    done = subprocess.run([sys.executable, "scripts/probe_weight_read.py", str(layout), "--ways", "2x1,1x64",
+                           "--rounds", "1", "--out", str(out)], cwd=repo, capture_output=True, text=True, timeout=120)
+    if done.returncode == 2 and "cannot drop the page cache" in done.stderr:
+        pytest.skip(done.stderr.strip())
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    assert report["bytes"] == sum(size for _, size in prefetch.layout_files(str(layout)))
+    assert set(report["median_s"]) == {"2x1", "1x64"} and min(report["median_s"].values()) > 0
+    assert cached_fraction(weight_files(layout)) == 1.0
+    for argv, named in ((["--ways", "2y1"], "2y1"), ([], "nowhere")):
+        target = str(layout) if argv else str(tmp_path / "nowhere")
+        bad = subprocess.run([sys.executable, "scripts/probe_weight_read.py", target, *argv], cwd=repo,
+                             capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and named in bad.stderr
