@@ -1,14 +1,25 @@
 """The threaded page-cache reader the entry point starts (runtime/read_ahead.py): a read-ahead given another
 to come after (the weights after the start pages) reads nothing until that one has ended, then reads all of it;
-a piece it cannot read ends that share with the reason, not the process."""
+a piece it cannot read ends that share with the reason, not the process; while any read-ahead runs, a thread
+running Python beside the readers gives the GIL up at the short switch interval, and the interpreter's own
+interval is back once the last one has ended."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
+import pytest
+
+from runtime import read_ahead
 from runtime.read_ahead import ReadAhead
-from runtime.weights.residency import cached_bytes
+from runtime.weights import prefetch
+from runtime.weights.layout import write_layout
+from runtime.weights.residency import cached_bytes, cached_fraction
 from tests.test_weights_prefetch import drop_from_page_cache
 
 MiB = 1 << 20
@@ -32,3 +43,45 @@ def test_a_read_ahead_after_another_waits_for_its_end(tmp_path):
     assert second.join(10) and second.error is None
     assert cached_bytes(weights) == 4 * MiB
     assert second.bytes == 4 * MiB and second.ended >= first.ended
+
+
+def test_the_switch_interval_is_short_while_a_read_ahead_runs_and_as_it_was_after(tmp_path):
+    blocked = tmp_path / "first"
+    os.mkfifo(blocked)
+    data = tmp_path / "data.bin"
+    data.write_bytes(os.urandom(2 * MiB))
+    before = sys.getswitchinterval()
+    assert read_ahead.SWITCH_INTERVAL_S is not None and read_ahead.SWITCH_INTERVAL_S < before
+
+    first = ReadAhead("start pages", [(str(blocked), 0, 4096)], 1)
+    second = ReadAhead("weights prefetch", [(str(data), 0, 2 * MiB)], 2, after=first)
+    assert sys.getswitchinterval() == read_ahead.SWITCH_INTERVAL_S
+    os.close(os.open(blocked, os.O_WRONLY))
+    assert first.join(10)
+    assert sys.getswitchinterval() == read_ahead.SWITCH_INTERVAL_S  # the second one still reads
+    assert second.join(10)
+    deadline = time.monotonic() + 5
+    while sys.getswitchinterval() != before and time.monotonic() < deadline:
+        time.sleep(0.01)  # set back by the last reader thread, just before `done`
+    assert sys.getswitchinterval() == before
+
+
+def test_the_probe_reads_pages_then_weights_each_way_or_says_why_not(tmp_path, tiny_model):
+    """scripts/probe_read_ahead_beside_python.py, from a dropped page cache, alone and beside Python: the layout
+    ends up in the page cache each way; a way it cannot parse is one line and exit 2."""
+    layout = tmp_path / "tiny-llama"
+    write_layout(tiny_model("tiny-llama"), str(layout), dtype="float32", file_bytes=200_000, progress=False)
+    repo, out = Path(__file__).resolve().parents[1], tmp_path / "probe.json"
+    done = subprocess.run([sys.executable, "scripts/probe_read_ahead_beside_python.py", str(layout), "--ways",
+                           "alone,busy:si=0.5", "--rounds", "1", "--out", str(out)], cwd=repo,
+                          capture_output=True, text=True, timeout=120)
+    if done.returncode == 2 and "cannot drop the page cache" in done.stderr:
+        pytest.skip(done.stderr.strip())
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    assert set(report["median"]) == {"alone", "busy:si=0.5"}
+    assert all(m["weights_s"] > 0 and m["start_pages_s"] == 0 for m in report["median"].values())
+    assert cached_fraction([path for path, _ in prefetch.layout_files(str(layout))]) == 1.0
+    bad = subprocess.run([sys.executable, "scripts/probe_read_ahead_beside_python.py", str(layout), "--ways",
+                          "busy:si=0"], cwd=repo, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "si=0" in bad.stderr
