@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Process restores of several commits of the project side by side on one GPU machine, their rounds interleaved:
 # what a change to the start costs or gains, on one machine and in one run. Each arm NAME=REV gets its own tree
-# (`git archive REV`) and its own process snapshot, baked by that tree from one layout of SHAPE (the first arm's
+# (`git archive REV`, or REV a tarball `git archive` made, for a machine with the files but not the history)
+# and its own process snapshot, baked by that tree from one layout of SHAPE (the first arm's
 # faas-build makes it, with the materialized state every arm shares: arms whose engines allocate alike), with its
 # start pages where the tree lists them (docs/snapshots.md). A round
 # runs `faas-bench coldstart --modes process --repeat 1` in each arm, page cache CACHE (warm or dropped: then
@@ -28,7 +29,8 @@ rm -rf "$WORK"; mkdir -p "$WORK"
 layout=$WORK/layout first=
 for arm in "$@"; do
     name=${arm%%=*} rev=${arm#*=} tree=$WORK/${arm%%=*}
-    mkdir -p "$tree"; git archive "$rev" | tar -x -C "$tree"
+    mkdir -p "$tree"
+    if [ -f "$rev" ]; then tar -x -C "$tree" -f "$rev"; else git archive "$rev" | tar -x -C "$tree"; fi
     cc -O2 -shared -fPIC "$tree/runtime/weights/native_reader.c" -ldl -o "$tree/runtime/weights/_native_reader$suffix"
     # bytecode, as an image holds it (scripts/gpu_suite.sh setup): else each start compiles the bootstrap's sources
     "$PY" -m compileall -q -j 0 "$tree/runtime" "$tree/snapshots" "$tree/handlers" > /dev/null
