@@ -11,46 +11,14 @@ checks import ctypes (runtime/weights/residency.py) when first made.
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import time
 
 #: what one read asks for at most
 READ_BYTES = 8 << 20
 
-#: the interpreter's switch interval while a read-ahead runs (None: left as it is). A reader takes the GIL back
-#: after every read call, and a thread running Python (the bootstrap's imports and checks, beside the readers)
-#: gives it up only when asked, after the switch interval: 5 ms by default, so readers queued behind it read
-#: a few calls per 5 ms. With 8 threads reading a snapshot's start pages and a thread running Python beside them,
-#: the pages took 0.52 s instead of 0.14 s on the CPU machine at 5 ms, 0.14 s at 0.5 ms
-#: (scripts/probe_read_ahead_beside_python.py; docs/snapshots.md)
-SWITCH_INTERVAL_S: float | None = 0.0005
-
 #: (path, offset, length)
 Piece = tuple[str, int, int]
-
-_switch_lock = threading.Lock()
-_running_read_aheads = 0
-_interval_before: float | None = None
-
-
-def _hold_switch_interval() -> None:
-    global _running_read_aheads, _interval_before
-    with _switch_lock:
-        _running_read_aheads += 1
-        if _running_read_aheads == 1 and SWITCH_INTERVAL_S is not None:
-            _interval_before = sys.getswitchinterval()
-            sys.setswitchinterval(SWITCH_INTERVAL_S)
-
-
-def _release_switch_interval() -> None:
-    """The interval as it was, once the last read-ahead running has ended."""
-    global _running_read_aheads, _interval_before
-    with _switch_lock:
-        _running_read_aheads -= 1
-        if _running_read_aheads == 0 and _interval_before is not None:
-            sys.setswitchinterval(_interval_before)
-            _interval_before = None
 
 
 class ReadAhead:
@@ -74,7 +42,6 @@ class ReadAhead:
         self._lock = threading.Lock()
         self._running = readers
         self._announced = False  # logging is set up after the read-ahead starts
-        _hold_switch_interval()
         for _ in range(readers):
             threading.Thread(target=self._read, name=what, daemon=True).start()
 
@@ -103,7 +70,6 @@ class ReadAhead:
                 self._running -= 1
                 if self._running == 0:
                     self.ended = time.time()
-                    _release_switch_interval()
                     self.done.set()
                 report = self._running == 0 and self._announced
             if report:

@@ -4,8 +4,8 @@ exactly as the entry point starts them (8 threads for the pages, then 16 for the
 thread that runs Python without pause, as the bootstrap's imports and checks do while the readers read.
 
 A reader thread takes the GIL back after every read call; a thread that runs Python gives it up only when
-asked, after the interpreter's switch interval (the interpreter's 5 ms, or what runtime/read_ahead.py sets while
-it reads: SWITCH_INTERVAL_S). So the probe varies the switch interval (ms; 5 unless given). The page cache is dropped before each
+asked, after the interpreter's switch interval (5 ms unless set). So the probe varies the switch interval (ms; 5
+unless given), set for the read and set back after it. The page cache is dropped before each
 read; the ways alternate for --rounds rounds. Needs root (drop_caches).
 
     python scripts/probe_read_ahead_beside_python.py /tmp/thawllm-models/llama-3-8b-baked/layout \\
@@ -70,7 +70,8 @@ def run_python(stop: threading.Event) -> None:
 
 def read_once(pages: list[read_ahead.Piece], weights: list[read_ahead.Piece], way: Way) -> dict[str, float]:
     """Seconds from the start to the start pages (0 without them) and to the weights in the page cache."""
-    read_ahead.SWITCH_INTERVAL_S = way.switch_interval_s  # what the read-ahead sets while it runs
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(way.switch_interval_s)
     stop = threading.Event()
     busy = threading.Thread(target=run_python, args=(stop,), daemon=True) if way.busy else None
     try:
@@ -86,6 +87,7 @@ def read_once(pages: list[read_ahead.Piece], weights: list[read_ahead.Piece], wa
         stop.set()
         if busy is not None:
             busy.join()
+        sys.setswitchinterval(interval)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,8 +1,7 @@
 """The threaded page-cache reader the entry point starts (runtime/read_ahead.py): a read-ahead given another
 to come after (the weights after the start pages) reads nothing until that one has ended, then reads all of it;
-a piece it cannot read ends that share with the reason, not the process; while any read-ahead runs, a thread
-running Python beside the readers gives the GIL up at the short switch interval, and the interpreter's own
-interval is back once the last one has ended."""
+a piece it cannot read ends that share with the reason, not the process. And the probe of the read-ahead beside
+a thread running Python."""
 
 from __future__ import annotations
 
@@ -15,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from runtime import read_ahead
 from runtime.read_ahead import ReadAhead
 from runtime.weights import prefetch
 from runtime.weights.layout import write_layout
@@ -43,27 +41,6 @@ def test_a_read_ahead_after_another_waits_for_its_end(tmp_path):
     assert second.join(10) and second.error is None
     assert cached_bytes(weights) == 4 * MiB
     assert second.bytes == 4 * MiB and second.ended >= first.ended
-
-
-def test_the_switch_interval_is_short_while_a_read_ahead_runs_and_as_it_was_after(tmp_path):
-    blocked = tmp_path / "first"
-    os.mkfifo(blocked)
-    data = tmp_path / "data.bin"
-    data.write_bytes(os.urandom(2 * MiB))
-    before = sys.getswitchinterval()
-    assert read_ahead.SWITCH_INTERVAL_S is not None and read_ahead.SWITCH_INTERVAL_S < before
-
-    first = ReadAhead("start pages", [(str(blocked), 0, 4096)], 1)
-    second = ReadAhead("weights prefetch", [(str(data), 0, 2 * MiB)], 2, after=first)
-    assert sys.getswitchinterval() == read_ahead.SWITCH_INTERVAL_S
-    os.close(os.open(blocked, os.O_WRONLY))
-    assert first.join(10)
-    assert sys.getswitchinterval() == read_ahead.SWITCH_INTERVAL_S  # the second one still reads
-    assert second.join(10)
-    deadline = time.monotonic() + 5
-    while sys.getswitchinterval() != before and time.monotonic() < deadline:
-        time.sleep(0.01)  # set back by the last reader thread, just before `done`
-    assert sys.getswitchinterval() == before
 
 
 def test_the_probe_reads_pages_then_weights_each_way_or_says_why_not(tmp_path, tiny_model):
