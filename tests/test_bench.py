@@ -289,6 +289,48 @@ def test_what_a_start_reads_from_disk_is_counted(tmp_path):
     assert bytes_read_from_disks() - before >= 16 << 20
 
 
+def test_the_disk_sampler_sees_a_command_read_and_summarizes_it_or_says_why_not(tmp_path):
+    """scripts/sample_disk_queue.py around a command that reads a file from disk: its samples count those bytes,
+    its summary finds the busy stretch, the command's exit status is its own; bad input is one line and exit 2."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from runtime.bench.disk_read import bytes_read_from_disks
+    from runtime.weights.residency import cached_fraction
+
+    if not bytes_read_from_disks():
+        pytest.skip("no physical disk in /sys/block, or no /proc/diskstats")
+    path = tmp_path / "weights.bin"
+    path.write_bytes(os.urandom(64 << 20))
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    if (cached_fraction([str(path)]) or 0.0) > 0.1:
+        pytest.skip("this machine's page cache keeps the file after POSIX_FADV_DONTNEED")
+    repo, out = Path(__file__).resolve().parents[1], tmp_path / "queue.json"
+    reader = f"import sys, time; time.sleep(0.4); open({str(path)!r}, 'rb').read(); time.sleep(0.4); sys.exit(3)"
+    done = subprocess.run([sys.executable, "scripts/sample_disk_queue.py", "--every", "0.02", "--out", str(out),
+                           "--", sys.executable, "-c", reader], cwd=repo, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 3, done.stderr
+    record = json.loads(out.read_text())
+    samples = record["samples"]
+    assert record["began_at"] > 0 and len(samples) >= 10
+    assert samples[-1][2] - samples[0][2] >= 64 << 20  # bytes read over the command's life
+    summary = subprocess.run([sys.executable, "scripts/sample_disk_queue.py", "--summarize", str(out)], cwd=repo,
+                             capture_output=True, text=True, timeout=60)
+    assert summary.returncode == 0 and summary.stdout.startswith("| part |")
+    rows = [line for line in summary.stdout.splitlines()[2:] if line.startswith("| whole |")]
+    assert rows and max(float(row.split("|")[5]) for row in rows) >= 0.06  # GiB in the stretch that read the file
+    for argv, says in ((["--out", str(out)], "give a command"), (["--summarize", str(path)], "not samples")):
+        bad = subprocess.run([sys.executable, "scripts/sample_disk_queue.py", *argv], cwd=repo, capture_output=True,
+                             text=True, timeout=60)
+        assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and says in bad.stderr
+
+
 def test_the_coldstart_table_says_what_starts_from_a_dropped_page_cache_read(tmp_path):
     from runtime.bench.records import ModeResult, StartRun
     from runtime.bench.report import coldstart_json, coldstart_table

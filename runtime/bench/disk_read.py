@@ -90,17 +90,34 @@ def measure_disk_read(root: Path, thread_counts: tuple[int, ...] = THREAD_COUNTS
     return result
 
 
-def bytes_read_from_disks() -> int | None:
-    """Bytes read from the machine's physical disks since boot (those in /sys/block with a device behind them:
-    not partitions, loop, zram or device-mapper devices, whose reads a physical disk counts again); None where
-    the kernel does not say."""
+@dataclass(frozen=True)
+class DiskStats:
+    """The physical disks' counters, summed: since boot, but `in_flight`, which is now."""
+
+    reads: int  # read requests completed
+    sectors: int  # 512-byte sectors read
+    in_flight: int  # requests issued and not yet completed
+    busy_ms: int  # time with at least one request in flight
+
+
+def physical_disk_stats() -> DiskStats | None:
+    """The counters of the machine's physical disks (those in /sys/block with a device behind them: not
+    partitions, loop, zram or device-mapper devices, whose reads a physical disk counts again); None where the
+    kernel does not say."""
     try:
         lines = _DISKSTATS.read_text().splitlines()
     except OSError:
         return None
-    total = 0
+    reads = sectors = in_flight = busy = 0
     for line in lines:
         fields = line.split()
-        if len(fields) > 5 and (_BLOCK / fields[2] / "device").exists():
-            total += int(fields[5]) * SECTOR
-    return total
+        if len(fields) > 12 and (_BLOCK / fields[2] / "device").exists():
+            reads, sectors = reads + int(fields[3]), sectors + int(fields[5])
+            in_flight, busy = in_flight + int(fields[11]), busy + int(fields[12])
+    return DiskStats(reads, sectors, in_flight, busy)
+
+
+def bytes_read_from_disks() -> int | None:
+    """Bytes read from the machine's physical disks since boot; None where the kernel does not say."""
+    stats = physical_disk_stats()
+    return None if stats is None else stats.sectors * SECTOR
