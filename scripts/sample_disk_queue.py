@@ -3,7 +3,7 @@ the time the disks were busy (/proc/diskstats), every --every seconds, so that a
 plain read of the same bytes (how many requests, how large, how many in flight at once).
 
     python scripts/sample_disk_queue.py --out disk-queue.json -- faas-bench coldstart ... --page-cache dropped
-    python scripts/sample_disk_queue.py --summarize disk-queue.json
+    python scripts/sample_disk_queue.py --summarize disk-queue.json --plot disk-queue.png
 
 The summary splits the samples into the stretches the disks were busy (apart by at least IDLE_GAP_S of next to
 nothing) and gives each one, and its first second, the rate, the requests and how many were in flight.
@@ -81,6 +81,28 @@ def print_summary(rows: list[dict]) -> None:
               f"| {r['mean_read_kib']} | {r['mean_in_flight']} |")
 
 
+def plot(samples: list[list[float]], path: Path, window_s: float = 0.25) -> None:
+    """The rate read and the requests in flight over time, in windows of WINDOW_S."""
+    from runtime.bench.plots import _pyplot, _save
+
+    t, rate, in_flight, start = [], [], [], samples[0]
+    for x in samples[1:]:
+        if x[0] - start[0] >= window_s:
+            t.append(start[0])
+            rate.append((x[2] - start[2]) / GiB / (x[0] - start[0]))
+            in_flight.append(x[3])
+            start = x
+    plt = _pyplot()
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 5), sharex=True)
+    top.plot(t, rate, drawstyle="steps-post")
+    top.set_ylabel("read (GiB/s)")
+    bottom.plot(t, in_flight, drawstyle="steps-post", color="tab:orange")
+    bottom.set_ylabel("requests in flight")
+    bottom.set_xlabel("seconds since the command began")
+    _save(fig, path)
+    plt.close(fig)
+
+
 def sample(every_s: float, stop: threading.Event, began: float, samples: list[list[float]]) -> None:
     while True:
         stats = physical_disk_stats()
@@ -95,14 +117,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--every", type=float, default=0.05, help="seconds between samples")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--summarize", type=Path, help="summarize a file this wrote, and run nothing")
+    parser.add_argument("--plot", type=Path, help="with --summarize: a PNG of the rate and the queue over time")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command to run")
     args = parser.parse_args(argv)
     if args.summarize is not None:
         try:
-            print_summary(summarize(json.loads(args.summarize.read_text())["samples"]))
+            samples = json.loads(args.summarize.read_text())["samples"]
+            print_summary(summarize(samples))
         except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
             print(f"sample_disk_queue: {args.summarize}: not samples this wrote ({exc})", file=sys.stderr)
             return 2
+        if args.plot is not None:
+            plot(samples, args.plot)
         return 0
     if args.out is None:
         print("sample_disk_queue: give --out FILE for the samples", file=sys.stderr)

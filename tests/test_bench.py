@@ -320,9 +320,10 @@ def test_the_disk_sampler_sees_a_command_read_and_summarizes_it_or_says_why_not(
     samples = record["samples"]
     assert record["began_at"] > 0 and len(samples) >= 10
     assert samples[-1][2] - samples[0][2] >= 64 << 20  # bytes read over the command's life
-    summary = subprocess.run([sys.executable, "scripts/sample_disk_queue.py", "--summarize", str(out)], cwd=repo,
-                             capture_output=True, text=True, timeout=60)
+    summary = subprocess.run([sys.executable, "scripts/sample_disk_queue.py", "--summarize", str(out), "--plot",
+                              str(tmp_path / "queue.png")], cwd=repo, capture_output=True, text=True, timeout=60)
     assert summary.returncode == 0 and summary.stdout.startswith("| part |")
+    assert (tmp_path / "queue.png").read_bytes()[:4] == b"\x89PNG"
     rows = [line for line in summary.stdout.splitlines()[2:] if line.startswith("| whole |")]
     assert rows and max(float(row.split("|")[5]) for row in rows) >= 0.06  # GiB in the stretch that read the file
     for argv, says in ((["--out", str(out)], "give a command"), (["--summarize", str(path)], "not samples")):
