@@ -8,11 +8,11 @@ snapshot the CUDA restore helper (snapshots/cuda_checkpoint.py), which is runnin
 snapshot one that only streams (`python -m snapshots.weights_during_restore`).
 
 helper (`stream_for_handover`): creates device memory that can be exported as a POSIX file descriptor, the
-size of the engine's weight range, and sends the descriptor at once (`HelperMemory`) over a socket pair whose
-other end the handoff gave the restored process; streams the layout into it with the engine's own loader (a
-DriverSink: the helper never imports torch, which alone takes longer than the restore); sends the stream's
-`StreamReport`; waits until the restored process has mapped the memory (its own CUDA context holds the memory
-until then).
+size of the engine's weight range, and sends the descriptor at once (`HelperMemory`; with WEIGHTS_MEMORY_FIRST=0
+after the stream) over a socket pair whose other end the handoff gave the restored process; streams the layout
+into it with the engine's own loader (a DriverSink: the helper never imports torch, which alone takes longer than
+the restore); sends the stream's `StreamReport`; waits until the restored process has mapped the memory (its own
+CUDA context holds the memory until then).
 
 restored process (`ExportedWeights`): maps that memory at its weight addresses (runtime/engine/vmm.py:
 `adopt`) as soon as it arrives, before its contents: a gpu snapshot's reserved range, after the restore
