@@ -267,8 +267,9 @@ def test_the_disk_read_reference_reads_every_byte_of_the_model_or_says_why_not(t
         assert set(measured.seconds) == {1, 2} and measured.best_s == min(measured.seconds.values())
 
 
-def test_what_a_start_reads_from_disk_is_counted(tmp_path):
-    """The kernel's count of bytes read from the machine's disks grows by at least a file read from disk."""
+def file_on_disk_only(tmp_path, size: int):
+    """A file of SIZE random bytes written out and dropped from the page cache: reading it reads the disk. Skips
+    where the machine's disks are not counted or its page cache keeps the file."""
     import os
 
     from runtime.bench.disk_read import bytes_read_from_disks
@@ -277,13 +278,21 @@ def test_what_a_start_reads_from_disk_is_counted(tmp_path):
     if not bytes_read_from_disks():
         pytest.skip("no physical disk in /sys/block, or no /proc/diskstats")
     path = tmp_path / "weights.bin"
-    path.write_bytes(os.urandom(16 << 20))
+    path.write_bytes(os.urandom(size))
     fd = os.open(path, os.O_RDONLY)
     os.fsync(fd)
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     os.close(fd)
     if (cached_fraction([str(path)]) or 0.0) > 0.1:
         pytest.skip("this machine's page cache keeps the file after POSIX_FADV_DONTNEED")
+    return path
+
+
+def test_what_a_start_reads_from_disk_is_counted(tmp_path):
+    """The kernel's count of bytes read from the machine's disks grows by at least a file read from disk."""
+    from runtime.bench.disk_read import bytes_read_from_disks
+
+    path = file_on_disk_only(tmp_path, 16 << 20)
     before = bytes_read_from_disks()
     assert len(path.read_bytes()) == 16 << 20
     assert bytes_read_from_disks() - before >= 16 << 20
@@ -293,24 +302,11 @@ def test_the_disk_sampler_sees_a_command_read_and_summarizes_it_or_says_why_not(
     """scripts/sample_disk_queue.py around a command that reads a file from disk: its samples count those bytes,
     its summary finds the busy stretch, the command's exit status is its own; bad input is one line and exit 2."""
     import json
-    import os
     import subprocess
     import sys
     from pathlib import Path
 
-    from runtime.bench.disk_read import bytes_read_from_disks
-    from runtime.weights.residency import cached_fraction
-
-    if not bytes_read_from_disks():
-        pytest.skip("no physical disk in /sys/block, or no /proc/diskstats")
-    path = tmp_path / "weights.bin"
-    path.write_bytes(os.urandom(64 << 20))
-    fd = os.open(path, os.O_RDONLY)
-    os.fsync(fd)
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    os.close(fd)
-    if (cached_fraction([str(path)]) or 0.0) > 0.1:
-        pytest.skip("this machine's page cache keeps the file after POSIX_FADV_DONTNEED")
+    path = file_on_disk_only(tmp_path, 64 << 20)
     repo, out = Path(__file__).resolve().parents[1], tmp_path / "queue.json"
     reader = f"import sys, time; time.sleep(0.4); open({str(path)!r}, 'rb').read(); time.sleep(0.4); sys.exit(3)"
     done = subprocess.run([sys.executable, "scripts/sample_disk_queue.py", "--every", "0.02", "--out", str(out),

@@ -68,6 +68,16 @@ def helper_memory(helper_end: socket.socket) -> int:
     return memory
 
 
+def memory_taken_and_mapped() -> tuple[socket.socket, ExportedWeights, int]:
+    """The helper's end, the restored process's end once it has taken and mapped the memory, and the memfd."""
+    helper_end, restored_end = socket.socketpair()
+    memory = helper_memory(helper_end)
+    exported = ExportedWeights(restored_end)
+    exported.take()
+    exported.mapped(True)
+    return helper_end, exported, memory
+
+
 def test_the_memory_arrives_before_its_report_and_the_report_after_the_ack():
     helper_end, restored_end = socket.socketpair()
     memory = helper_memory(helper_end)
@@ -86,11 +96,7 @@ def test_the_memory_arrives_before_its_report_and_the_report_after_the_ack():
 
 
 def test_arrived_waits_for_the_report():
-    helper_end, restored_end = socket.socketpair()
-    memory = helper_memory(helper_end)
-    exported = ExportedWeights(restored_end)
-    exported.take()
-    exported.mapped(True)
+    helper_end, exported, memory = memory_taken_and_mapped()
     answer = []
     waiting = threading.Thread(target=lambda: answer.append(exported.arrived()))
     waiting.start()
@@ -103,11 +109,7 @@ def test_arrived_waits_for_the_report():
 
 
 def test_a_stream_that_fails_after_the_memory_came_is_a_reason():
-    helper_end, restored_end = socket.socketpair()
-    memory = helper_memory(helper_end)
-    exported = ExportedWeights(restored_end)
-    exported.take()
-    exported.mapped(True)
+    helper_end, exported, memory = memory_taken_and_mapped()
     _send(helper_end, {"report": {"ok": False, "reason": "WeightsError: part-00001 chunk 3 fails its check"}})
     assert exported.arrived() is None
     assert "part-00001 chunk 3" in exported.reason
@@ -115,11 +117,7 @@ def test_a_stream_that_fails_after_the_memory_came_is_a_reason():
 
 
 def test_a_helper_that_dies_while_it_streams_is_a_reason():
-    helper_end, restored_end = socket.socketpair()
-    memory = helper_memory(helper_end)
-    exported = ExportedWeights(restored_end)
-    exported.take()
-    exported.mapped(True)
+    helper_end, exported, memory = memory_taken_and_mapped()
     helper_end.close()
     assert exported.arrived() is None and "exited before it reported" in exported.reason
     os.close(memory)
