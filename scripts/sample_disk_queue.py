@@ -5,8 +5,8 @@ plain read of the same bytes (how many requests, how large, how many in flight a
     python scripts/sample_disk_queue.py --out disk-queue.json -- faas-bench coldstart ... --page-cache dropped
     python scripts/sample_disk_queue.py --summarize disk-queue.json --plot disk-queue.png
 
-The summary splits the samples into the stretches the disks were busy (apart by at least IDLE_GAP_S of next to
-nothing) and gives each one, and its first second, the rate, the requests and how many were in flight.
+The summary splits the samples into the stretches the disks were reading (apart by at least IDLE_GAP_S of next to
+no reading) and gives each one, and its first second, the rate, the requests and how many were in flight.
 
 Writes {"command", "every_s", "began_at" (time.time() when it began), "samples": [[seconds since the command began, reads completed, bytes read,
 requests in flight, ms busy], ...]}, summed over the disks runtime/bench/disk_read.py counts. Exit 2 with one
@@ -28,17 +28,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from runtime.bench.disk_read import SECTOR, physical_disk_stats  # noqa: E402
 
 
-#: a stretch of samples with the disks this idle, this long, ends a busy stretch
-IDLE_BUSY_SHARE, IDLE_GAP_S = 0.05, 0.3
-GiB, KiB = 1 << 30, 1 << 10
+GiB, MiB, KiB = 1 << 30, 1 << 20, 1 << 10
+#: reading slower than this, this long, ends a stretch of reading (writes are not counted: a page-cache drop's
+#: write-back, a log)
+IDLE_READ_BYTES_S, IDLE_GAP_S = 16 * MiB, 0.3
 
 
 def busy_stretches(samples: list[list[float]]) -> list[tuple[int, int]]:
-    """(first, last) sample indices of each stretch the disks were busy."""
+    """(first, last) sample indices of each stretch the disks were reading."""
     stretches, first, idle_since = [], None, None
     for i in range(1, len(samples)):
         dt = samples[i][0] - samples[i - 1][0]
-        busy = dt > 0 and (samples[i][4] - samples[i - 1][4]) / 1000 / dt > IDLE_BUSY_SHARE
+        busy = dt > 0 and (samples[i][2] - samples[i - 1][2]) / dt > IDLE_READ_BYTES_S
         if busy:
             first = i - 1 if first is None else first
             idle_since = None
