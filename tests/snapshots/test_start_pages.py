@@ -138,3 +138,24 @@ def test_the_read_probe_reads_a_list_both_ways_exactly_or_says_why_not(tmp_path)
     bad = subprocess.run([sys.executable, "scripts/probe_start_pages_read.py", str(tmp_path / "nowhere.json")],
                          cwd=repo, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "nowhere.json" in bad.stderr
+
+
+def test_the_list_by_file_names_each_file_largest_first_or_says_why_not(tmp_path):
+    """scripts/start_pages_by_file.py: each listed file with its listed and early MiB, the largest first, and the
+    total; a file that is no list is one line and exit 2."""
+    big, small = data_file(tmp_path / "libbig.so", 8 * MiB), data_file(tmp_path / "libsmall.so", 1 * MiB)
+    listed = write_list(tmp_path, [
+        FilePages(str(small), small.stat().st_size, small.stat().st_mtime_ns, ((0, PAGE),), ()),
+        FilePages(str(big), big.stat().st_size, big.stat().st_mtime_ns, ((0, PAGE),), ((1 * MiB, 2 * MiB),))],
+        "process")
+    repo = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "scripts/start_pages_by_file.py", str(listed)], cwd=repo,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| lib")]
+    assert [row.split("|")[1].strip() for row in rows] == ["libbig.so", "libsmall.so"]
+    assert rows[0].split("|")[2].strip() == f"{(2 * MiB + PAGE) / MiB:.1f}"
+    assert done.stdout.strip().endswith("of 2 files")
+    bad = subprocess.run([sys.executable, "scripts/start_pages_by_file.py", str(big)], cwd=repo,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
