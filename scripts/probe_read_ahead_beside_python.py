@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from runtime import read_ahead  # noqa: E402
-from runtime.bench.page_cache import drop_page_cache  # noqa: E402
+from runtime.bench.page_cache import turns_from_dropped  # noqa: E402
 from runtime.weights import prefetch  # noqa: E402
 from snapshots import start_pages  # noqa: E402
 
@@ -110,14 +110,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     weights = prefetch.pieces(files)
     results: dict[str, list[dict[str, float]]] = {way.text: [] for way in ways}
-    for round_ in range(args.rounds):
-        for way in ways:
-            why_not = drop_page_cache()
-            if why_not:
-                print(f"probe_read_ahead_beside_python: {why_not}", file=sys.stderr)
-                return 2
+    try:
+        for round_, way in turns_from_dropped(ways, args.rounds):
             results[way.text].append(read_once(pages, weights, way))
-            print(f"round {round_ + 1}: {way.text} {results[way.text][-1]}", flush=True)
+            print(f"round {round_}: {way.text} {results[way.text][-1]}", flush=True)
+    except PermissionError as exc:
+        print(f"probe_read_ahead_beside_python: {exc}", file=sys.stderr)
+        return 2
     total = sum(length for _, _, length in weights)
     median = {name: {key: statistics.median(r[key] for r in runs) for key in runs[0]} for name, runs in results.items()}
     report = {"layout": str(args.layout), "start_pages": str(args.start_pages) if args.start_pages else None,

@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from runtime.bench.page_cache import drop_page_cache  # noqa: E402
+from runtime.bench.page_cache import turns_from_dropped  # noqa: E402
 from runtime.read_ahead import Piece, ReadAhead  # noqa: E402
 from snapshots.start_pages import pieces, read_list  # noqa: E402
 
@@ -66,14 +66,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"probe_start_pages_read: {args.list}: no piece of it is as it was baked", file=sys.stderr)
         return 2
     seconds: dict[str, list[float]] = {"one per thread": [], "queued": []}
-    for round_ in range(args.rounds):
-        for name, read in (("one per thread", one_per_thread), ("queued", queued)):
-            why_not = drop_page_cache()
-            if why_not:
-                print(f"probe_start_pages_read: {why_not}", file=sys.stderr)
-                return 2
+    try:
+        for round_, (name, read) in turns_from_dropped((("one per thread", one_per_thread), ("queued", queued)),
+                                                       args.rounds):
             seconds[name].append(round(read(listed, args.readers), 4))
-            print(f"round {round_ + 1}: {name} {seconds[name][-1]:.3f} s", flush=True)
+            print(f"round {round_}: {name} {seconds[name][-1]:.3f} s", flush=True)
+    except PermissionError as exc:
+        print(f"probe_start_pages_read: {exc}", file=sys.stderr)
+        return 2
     total = sum(length for _, _, length in listed)
     report = {"list": str(args.list), "bytes": total, "pieces": len(listed), "readers": args.readers,
               "seconds": seconds, "median_s": {k: statistics.median(v) for k, v in seconds.items()}}

@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from runtime.bench.page_cache import drop_page_cache  # noqa: E402
+from runtime.bench.page_cache import turns_from_dropped  # noqa: E402
 from runtime.weights.prefetch import PIECE_BYTES, layout_files, pieces  # noqa: E402
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -104,19 +104,18 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     total = sum(size for _, size in files)
     seconds: dict[str, list[float]] = {way.name: [] for way in ways}
-    for round_ in range(args.rounds):
-        for way in ways:
-            why_not = drop_page_cache()
-            if why_not:
-                print(f"probe_weight_read: {why_not}", file=sys.stderr)
-                return 2
+    try:
+        for round_, way in turns_from_dropped(ways, args.rounds):
             try:
                 seconds[way.name].append(round(read_all(files, way), 4))
             except OSError as exc:
                 print(f"probe_weight_read: {way.name}: {exc}", file=sys.stderr)
                 return 2
-            print(f"round {round_ + 1}: {way.name} {seconds[way.name][-1]:.2f} s "
+            print(f"round {round_}: {way.name} {seconds[way.name][-1]:.2f} s "
                   f"({total / GiB / seconds[way.name][-1]:.2f} GiB/s)", flush=True)
+    except PermissionError as exc:
+        print(f"probe_weight_read: {exc}", file=sys.stderr)
+        return 2
     median = {name: statistics.median(values) for name, values in seconds.items()}
     report = {"layout": str(args.layout), "bytes": total, "piece_bytes": PIECE_BYTES, "rounds": args.rounds,
               "seconds": seconds, "median_s": median,

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Iterator, Sequence, TypeVar
+
+T = TypeVar("T")
 
 _DROP_CACHES = Path("/proc/sys/vm/drop_caches")
 
@@ -17,6 +20,18 @@ def drop_page_cache() -> str | None:
     except OSError as exc:  # not root, or /proc/sys read-only in a container
         return f"cannot drop the page cache: {exc.strerror or exc}"
     return None
+
+
+def turns_from_dropped(ways: Sequence[T], rounds: int) -> Iterator[tuple[int, T]]:
+    """(round, way) for ROUNDS rounds over WAYS in turn, the page cache dropped just before each is given: ways
+    of reading compared side by side, each from cold disk. Raises PermissionError (why) where it cannot be
+    dropped."""
+    for round_ in range(1, rounds + 1):
+        for way in ways:
+            why_not = drop_page_cache()
+            if why_not:
+                raise PermissionError(why_not)
+            yield round_, way
 
 
 def files_under(root: Path) -> list[Path]:
