@@ -36,6 +36,12 @@ SPLIT_PARTS = 8
 SPLIT_MAX_PROGRAMS = 64
 #: left free on the GPU beside the KV cache (fragmentation, other processes' growth)
 FREE_MARGIN_BYTES = 256 << 20
+#: an eager step's block table is this many entries wide, or a multiple. Triton compiles a kernel for each
+#: divisibility of an integer argument (by 16, or equal to 1), and the table's row stride is one: a table only as
+#: wide as the longest sequence would have the first prompt of a new length compile the attention kernel again.
+#: Padded, every eager step runs the one the engine's start compiled (the zeros past a sequence's blocks are
+#: never read: its length bounds its row).
+TABLE_WIDTH_MULTIPLE = 16
 
 
 @dataclass(frozen=True)
@@ -375,7 +381,7 @@ class ModelRunner:
             for s in range(starts[i], starts[i + 1], block_q):
                 tile_seq.append(i)
                 tile_start.append(s)
-        width = max(len(t) for t in tables)
+        width = -(-max(len(t) for t in tables) // TABLE_WIDTH_MULTIPLE) * TABLE_WIDTH_MULTIPLE
         upload = self._upload
         meta = AttentionMetadata(
             slot_mapping=upload(slots, torch.int64), query_start_loc=upload(starts, torch.int32),

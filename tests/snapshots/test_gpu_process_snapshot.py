@@ -100,3 +100,37 @@ def test_several_models_process_snapshot_serves_like_a_fresh_start(tiny_model, t
     assert stage(state, "cuda_init")["detail"].get("ahead"), state["stages"]
     assert all(len(tokens) == 24 for tokens in served["fresh"])
     assert served["restored"] == served["fresh"]
+
+
+def test_no_start_after_the_bake_compiles_a_kernel(tiny_model_dir, tmp_path):
+    """faas-build compiles every Triton kernel a request runs into the cache the image keeps: neither the start
+    it lists the start pages from nor a restored runtime's prompts of any length compile one. A compile costs
+    the request that meets it a second or more, and the compiler's pages would be listed as start pages."""
+    from tests.server.test_multi_model import faas_build
+
+    cache, out, snapshots = tmp_path / "triton-cache", tmp_path / "layout", tmp_path / "snapshots"
+    env = GPU_ENV | {"TRITON_CACHE_DIR": str(cache)}
+    r = faas_build("--model", str(tiny_model_dir), "--out", str(out), "--snapshot-dir", str(snapshots),
+                   "--snapshots", "materialized,process", "--time-restores", "0", "--quiet", **env)
+    assert r.returncode == 0, r.stderr
+    assert "process start pages:" in r.stderr, r.stderr  # the start the pages are listed from served its requests
+    baked_at = (snapshots / "process" / "manifest.json").stat().st_mtime
+    compiled = {path: path.stat().st_mtime for path in cache.rglob("*") if path.is_file()}
+    assert any(path.suffix == ".cubin" for path in compiled), sorted(compiled)  # the bake compiled into it
+    assert not [path.name for path, at in compiled.items() if at > baked_at]
+
+    server = start_server(tmp_path, "restored", MODEL=str(out), SNAPSHOT_DIR=str(snapshots), API_KEY=API_KEY,
+                          RESTORE="process", **env)
+    try:
+        server.wait_ready(timeout=300)
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+        # one block of the KV cache is 16 tokens: tables 1, 2, 16, 17, 32 and 94 blocks wide
+        for length, temperature in ((5, 0.0), (17, 0.0), (256, 0.0), (257, 0.8), (500, 0.0), (1500, 0.8)):
+            prompt = [(7919 * i + 13) % 256 for i in range(length)]
+            r = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=3, temperature=temperature,
+                                          extra_body={"ignore_eos": True})
+            assert r.usage.prompt_tokens == length and r.usage.completion_tokens == 3
+    finally:
+        assert server.stop() == 0
+    added = sorted(path.name for path in cache.rglob("*") if path.is_file() and path not in compiled)
+    assert not added
