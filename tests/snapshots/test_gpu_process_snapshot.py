@@ -108,7 +108,7 @@ def test_no_start_after_the_bake_compiles_a_kernel(tiny_model_dir, tmp_path):
     the request that meets it a second or more, and the compiler's pages would be listed as start pages."""
     from tests.server.test_multi_model import faas_build
 
-    cache, out, snapshots = tmp_path / "triton-cache", tmp_path / "layout", tmp_path / "snapshots"
+    cache, out, snapshots = tmp_path / "triton-cache", tmp_path / "layout" / "tiny-llama", tmp_path / "snapshots"
     env = GPU_ENV | {"TRITON_CACHE_DIR": str(cache)}
     r = faas_build("--model", str(tiny_model_dir), "--out", str(out), "--snapshot-dir", str(snapshots),
                    "--snapshots", "materialized,process", "--time-restores", "0", "--quiet", **env)
