@@ -105,7 +105,7 @@ def test_several_models_process_snapshot_serves_like_a_fresh_start(tiny_model, t
 def test_no_start_after_the_bake_compiles_a_kernel(tiny_model_dir, tmp_path):
     """faas-build compiles every Triton kernel a request runs into the cache the image keeps: neither the start
     it lists the start pages from nor a restored runtime's prompts of any length compile one. A compile costs
-    the request that meets it a second or more, and the compiler's pages would be listed as start pages."""
+    the request that meets it about half a second, and the compiler's pages would be listed as start pages."""
     from tests.server.test_multi_model import faas_build
 
     cache, out, snapshots = tmp_path / "triton-cache", tmp_path / "layout" / "tiny-llama", tmp_path / "snapshots"
