@@ -8,8 +8,9 @@ plain read of the same bytes (how many requests, how large, how many in flight a
 The summary splits the samples into the stretches the disks were reading (apart by at least IDLE_GAP_S of next to
 no reading) and gives each one, and its first second, the rate, the requests and how many were in flight.
 
-Writes {"command", "every_s", "began_at" (time.time() when it began), "samples": [[seconds since the command began, reads completed, bytes read,
-requests in flight, ms busy], ...]}, summed over the disks runtime/bench/disk_read.py counts. Exit 2 with one
+Writes {"command", "every_s", "began_at" (time.time() when it began), "samples": [[seconds since the command
+began, reads completed, bytes read, requests in flight, ms busy], ...]}, summed over the disks
+runtime/bench/disk_read.py counts. Exit 2 with one
 line on bad input; otherwise the command's exit status.
 """
 
@@ -26,6 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from runtime.bench.disk_read import SECTOR, physical_disk_stats  # noqa: E402
+from runtime.bench.plots import plot_disk_queue  # noqa: E402
 
 
 GiB, MiB, KiB = 1 << 30, 1 << 20, 1 << 10
@@ -82,28 +84,6 @@ def print_summary(rows: list[dict]) -> None:
               f"| {r['mean_read_kib']} | {r['mean_in_flight']} |")
 
 
-def plot(samples: list[list[float]], path: Path, window_s: float = 0.25) -> None:
-    """The rate read and the requests in flight over time, in windows of WINDOW_S."""
-    from runtime.bench.plots import _pyplot, _save
-
-    t, rate, in_flight, start = [], [], [], samples[0]
-    for x in samples[1:]:
-        if x[0] - start[0] >= window_s:
-            t.append(start[0])
-            rate.append((x[2] - start[2]) / GiB / (x[0] - start[0]))
-            in_flight.append(x[3])
-            start = x
-    plt = _pyplot()
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 5), sharex=True)
-    top.plot(t, rate, drawstyle="steps-post")
-    top.set_ylabel("read (GiB/s)")
-    bottom.plot(t, in_flight, drawstyle="steps-post", color="tab:orange")
-    bottom.set_ylabel("requests in flight")
-    bottom.set_xlabel("seconds since the command began")
-    _save(fig, path)
-    plt.close(fig)
-
-
 def sample(every_s: float, stop: threading.Event, began: float, samples: list[list[float]]) -> None:
     while True:
         stats = physical_disk_stats()
@@ -129,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"sample_disk_queue: {args.summarize}: not samples this wrote ({exc})", file=sys.stderr)
             return 2
         if args.plot is not None:
-            plot(samples, args.plot)
+            plot_disk_queue(samples, args.plot)
         return 0
     if args.out is None:
         print("sample_disk_queue: give --out FILE for the samples", file=sys.stderr)

@@ -34,9 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     print("| file | listed (MiB) | early (MiB) | ranges | file size (MiB) |")
     print("| --- | --- | --- | --- | --- |")
     for f in files[:args.top]:
-        early = sum(length for _, length in f.early)
-        print(f"| {os.path.basename(f.path)} | {f.bytes / MiB:.1f} | {early / MiB:.1f} | {len(f.early) + len(f.ranges)} "
-              f"| {f.size / MiB:.0f} |")
+        early, ranges = sum(length for _, length in f.early), len(f.early) + len(f.ranges)
+        name = os.path.basename(f.path)
+        print(f"| {name} | {f.bytes / MiB:.1f} | {early / MiB:.1f} | {ranges} | {f.size / MiB:.0f} |")
     print(f"{sum(f.bytes for f in files) / MiB:.1f} MiB of {len(files)} files")
     return 0
 

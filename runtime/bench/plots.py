@@ -182,3 +182,24 @@ def plot_switch(probes: list[dict[str, Any]], fresh_s: dict[str, float | None], 
     fig.suptitle(title, fontsize=10)
     _save(fig, path)
     plt.close(fig)
+
+
+def plot_disk_queue(samples: list[list[float]], path: Path, window_s: float = 0.25) -> None:
+    """scripts/sample_disk_queue.py's samples: the rate read and the requests in flight over time, in windows of
+    WINDOW_S."""
+    t, rate, in_flight, start = [], [], [], samples[0]
+    for x in samples[1:]:
+        if x[0] - start[0] >= window_s:
+            t.append(start[0])
+            rate.append((x[2] - start[2]) / 2**30 / (x[0] - start[0]))
+            in_flight.append(x[3])
+            start = x
+    plt = _pyplot()
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(10, 5), sharex=True)
+    top.plot(t, rate, drawstyle="steps-post")
+    top.set_ylabel("read (GiB/s)")
+    bottom.plot(t, in_flight, drawstyle="steps-post", color="tab:orange")
+    bottom.set_ylabel("requests in flight")
+    bottom.set_xlabel("seconds since the command began")
+    _save(fig, path)
+    plt.close(fig)
