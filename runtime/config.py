@@ -290,6 +290,9 @@ class Settings:
         "faas-bootstrap reads the file pages faas-build saw a start from the CRIU snapshot touch (its libraries' "
         "pages) into the page cache from its first instruction, before the weights' prefetch, when they are not "
         "there (0: the restored runtime faults them in, each read around by the kernel)")
+    start_pages_first: bool = _setting(
+        "START_PAGES_FIRST", _bool, EARLY_DEFAULTS["START_PAGES_FIRST"],
+        "the weights' prefetch begins once the start pages are in the page cache (0: both are read at once)")
     lazy_pages: bool = _setting(
         "LAZY_PAGES", _bool, EARLY_DEFAULTS["LAZY_PAGES"],
         "process snapshots: the restored runtime runs before its memory is all back; a criu lazy-pages daemon "

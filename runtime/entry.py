@@ -35,7 +35,8 @@ def main(argv: list[str] | None = None) -> int:
         if early_flag(argv, os.environ, "PREFETCH_WEIGHTS"):
             from runtime.weights import prefetch
 
-            prefetch.start(setting(argv, os.environ, "MODEL"), after=pages,
+            first = pages if early_flag(argv, os.environ, "START_PAGES_FIRST") else None
+            prefetch.start(setting(argv, os.environ, "MODEL"), after=first,
                            readers=prefetch.readers(setting(argv, os.environ, "PREFETCH_READERS")))
     if sys.flags.no_site:
         import site
