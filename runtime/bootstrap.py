@@ -67,6 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             gc.enable()
         if status is not None:
             return status
+    prefetch.widen()  # no restore: the weights have the disk
     early_restore.abandon()  # one the entry point started: undone where this start restores nothing
     try:
         # After any restore: a bootstrap that restores a snapshot never needs the handler's imports

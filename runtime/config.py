@@ -285,6 +285,10 @@ class Settings:
         "PREFETCH_READERS", _positive_int, PREFETCH_READERS,
         "threads the weights' prefetch reads with at once (a disk's best parallel read rate differs: faas-bench "
         "coldstart --page-cache dropped measures 8 and 16 beside the starts)")
+    prefetch_restore_readers: int = _setting(
+        "PREFETCH_RESTORE_READERS", _positive_int, PREFETCH_READERS,
+        "threads of the PREFETCH_READERS the weights' prefetch reads with until the CRIU restore faas-bootstrap "
+        "began has handed over (fewer large reads ahead of the restore's own small ones in the disk's queue)")
     prefetch_start_pages: bool = _setting(
         "PREFETCH_START_PAGES", _bool, EARLY_DEFAULTS["PREFETCH_START_PAGES"],
         "faas-bootstrap reads the file pages faas-build saw a start from the CRIU snapshot touch (its libraries' "

@@ -25,10 +25,11 @@ class ReadAhead:
     """READERS threads reading PIECES, in order, into the page cache. AFTER: an earlier read-ahead whose end
     these threads wait for first (the disk serves one at a time best). EXACT: exactly the pieces, with no
     read-ahead of the kernel's around them (POSIX_FADV_RANDOM on each file), and a piece already in the page
-    cache is not read again."""
+    cache is not read again. FIRST_READERS: how many of the READERS start at once, the others with `widen()`
+    (fewer large reads in the disk's queue while other small ones must not wait long)."""
 
     def __init__(self, what: str, pieces: list[Piece], readers: int, after: "ReadAhead | None" = None,
-                 exact: bool = False) -> None:
+                 exact: bool = False, first_readers: int | None = None) -> None:
         self.what = what
         self.readers = readers
         self.bytes = sum(length for _, _, length in pieces)
@@ -40,10 +41,22 @@ class ReadAhead:
         self.done = threading.Event()
         self._pieces = iter(pieces)
         self._lock = threading.Lock()
-        self._running = readers
+        self._running = self._threads = 0
         self._announced = False  # logging is set up after the read-ahead starts
-        for _ in range(readers):
-            threading.Thread(target=self._read, name=what, daemon=True).start()
+        self.first_readers = min(readers, first_readers or readers)
+        self._add_readers(self.first_readers)
+
+    def widen(self) -> None:
+        """Read with all READERS threads from now on (those not started yet start now, unless it has ended)."""
+        self._add_readers(self.readers)
+
+    def _add_readers(self, readers: int) -> None:
+        with self._lock:
+            more = 0 if self.done.is_set() else max(0, readers - self._threads)
+            self._threads += more
+            self._running += more
+        for _ in range(more):
+            threading.Thread(target=self._read, name=self.what, daemon=True).start()
 
     def _read(self) -> None:
         fds: dict[str, int] = {}
@@ -85,8 +98,10 @@ class ReadAhead:
         """Log that it runs, once logging is set up; and how it went, now if it is over, else when it is."""
         from runtime.logs import get_logger
 
-        get_logger("read_ahead").info("%s: reading %.2f GiB into the page cache with %d threads%s", self.what,
-                                      self.bytes / 2**30, self.readers,
+        threads = (f"{self.first_readers} threads, {self.readers} once widened" if self.first_readers < self.readers
+                   else f"{self.readers} threads")
+        get_logger("read_ahead").info("%s: reading %.2f GiB into the page cache with %s%s", self.what,
+                                      self.bytes / 2**30, threads,
                                       f", after the {self.after.what}" if self.after is not None else "")
         with self._lock:
             self._announced = True

@@ -110,8 +110,10 @@ def _take_over(settings: Settings, argv: list[str]) -> int | None:
                 if later in CRIU_KINDS:
                     _skipped.setdefault(later, f"not tried after the {kind} restore failed")
             return None
+        from runtime.weights import prefetch
         from snapshots.supervise import supervise
 
+        prefetch.widen()  # handed over: the restore's own reads are done, the weights have the disk
         pid, restore_s = restored.wait()
         return supervise(pid, restored.lazy_pages, restored.started + restore_s)
     return None

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -62,3 +63,28 @@ def test_the_probe_reads_pages_then_weights_each_way_or_says_why_not(tmp_path, t
     bad = subprocess.run([sys.executable, "scripts/probe_read_ahead_beside_python.py", str(layout), "--ways",
                           "busy:si=0"], cwd=repo, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "si=0" in bad.stderr
+
+
+def test_a_narrowed_read_ahead_reads_with_its_first_threads_until_widened(tmp_path):
+    """The weights' prefetch during a restore (PREFETCH_RESTORE_READERS): the threads held back start only with
+    widen(), and a widen after the end starts nothing."""
+    blocked = tmp_path / "first"
+    os.mkfifo(blocked)  # the one first thread hangs opening it
+    weights = tmp_path / "weights.bin"
+    weights.write_bytes(os.urandom(4 * MiB))
+    drop_from_page_cache([str(weights)])
+
+    narrow = ReadAhead("weights prefetch", [(str(blocked), 0, 4096), (str(weights), 0, 4 * MiB)], 3,
+                       first_readers=1)
+    time.sleep(0.5)
+    assert cached_bytes(weights) == 0  # the only thread waits on the first piece
+    narrow.widen()
+    deadline = time.time() + 10
+    while cached_bytes(weights) < 4 * MiB and time.time() < deadline:
+        time.sleep(0.05)
+    assert cached_bytes(weights) == 4 * MiB and not narrow.done.is_set()
+    os.close(os.open(blocked, os.O_WRONLY))
+    assert narrow.join(10) and narrow.error is not None  # a pipe cannot be read at an offset
+    time.sleep(0.2)  # the threads return right after the end
+    narrow.widen()
+    assert not [t for t in threading.enumerate() if t.name == narrow.what]

@@ -21,6 +21,8 @@ ALL_MODES = SERVER_MODES + (BASELINE_MODE,)
 #: process-unprefetched leave the weights to whoever streams them (PREFETCH_WEIGHTS=0); process-unlisted and
 #: gpu-unlisted leave the restored runtime's file pages to its faults (PREFETCH_START_PAGES=0);
 #: process-pages-beside reads the start pages and the weights at once (START_PAGES_FIRST=0);
+#: process-narrow-restore prefetches on 4 threads until the restore has handed over (PREFETCH_RESTORE_READERS),
+#: process-narrow-beside too, beside the start pages;
 #: process-8-readers prefetches the weights on 8 threads rather than 16 (PREFETCH_READERS); process-memory-last
 #: has the weights' helper hand its memory over only with the stream's report (WEIGHTS_MEMORY_FIRST=0);
 #: process-site and cold-site start the entry point after `site`, as the `faas-bootstrap` script does (SITE_FIRST)
@@ -30,6 +32,8 @@ VARIANTS = {"process-site": ("process", {}),
             "process-unprefetched": ("process", {"PREFETCH_WEIGHTS": "0"}),
             "process-unlisted": ("process", {"PREFETCH_START_PAGES": "0"}),
             "process-pages-beside": ("process", {"START_PAGES_FIRST": "0"}),
+            "process-narrow-restore": ("process", {"PREFETCH_RESTORE_READERS": "4"}),
+            "process-narrow-beside": ("process", {"PREFETCH_RESTORE_READERS": "4", "START_PAGES_FIRST": "0"}),
             "gpu-unlisted": ("gpu", {"PREFETCH_START_PAGES": "0"}),
             "process-8-readers": ("process", {"PREFETCH_READERS": "8"}),
             "process-memory-last": ("process", {"WEIGHTS_MEMORY_FIRST": "0"}),

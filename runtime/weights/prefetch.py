@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 from runtime.read_ahead import Piece, ReadAhead
 
@@ -96,29 +97,40 @@ current: ReadAhead | None = None
 skipped: str | None = None
 
 
-def readers(text: str | None) -> int:
-    """PREFETCH_READERS's text as a count of threads; READERS where it is unset or not a positive number (the
-    bootstrap's parse of the settings says what is wrong with it)."""
+def readers(text: str | None, default: int = READERS) -> int:
+    """PREFETCH_READERS's (or PREFETCH_RESTORE_READERS's) text as a count of threads; DEFAULT where it is unset
+    or not a positive number (the bootstrap's parse of the settings says what is wrong with it)."""
     try:
-        count = int(text) if text is not None else READERS
+        count = int(text) if text is not None else default
     except ValueError:
-        return READERS
-    return count if count > 0 else READERS
+        return default
+    return count if count > 0 else default
 
 
-def start(model: str | None, after: ReadAhead | None = None, readers: int = READERS) -> ReadAhead | None:
+def start(model: str | None, after: ReadAhead | None = None, readers: int = READERS,
+          restore_readers: int | None = None) -> ReadAhead | None:
     """Start prefetching MODEL's weights (`current`) on READERS threads, once AFTER has been read if given,
-    else say why not (`skipped`). Never raises."""
+    else say why not (`skipped`); on RESTORE_READERS of them until `widen()`. Never raises."""
     global current, skipped
     current = skipped = None
     try:
         files = layout_files(model or "")
         skipped = "not a local faas-build layout" if files is None else why_not(files)
         if skipped is None:
-            current = ReadAhead("weights prefetch", pieces(files), readers, after)
+            current = ReadAhead("weights prefetch", pieces(files), readers, after, first_readers=restore_readers)
     except Exception as exc:  # noqa: BLE001 - the weights are read by whoever streams them, as without it
         skipped = f"{type(exc).__name__}: {exc}"
     return current
+
+
+def widen() -> None:
+    """The restore has handed over, or this start restores nothing: the prefetch reads with all its threads."""
+    if current is not None and current.first_readers < current.readers and not current.done.is_set():
+        current.widen()
+        from runtime.logs import get_logger
+
+        get_logger("weights.prefetch").info("weights prefetch: %d threads from %.2f s after it began",
+                                            current.readers, time.time() - current.started)
 
 
 def log_start() -> None:
