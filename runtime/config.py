@@ -17,6 +17,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from runtime.setting_text import EARLY_DEFAULTS, FALSE_WORDS, TRUE_WORDS
 from runtime.weights.prefetch import READERS as PREFETCH_READERS
+from runtime.weights.prefetch import RESTORE_READERS as PREFETCH_RESTORE_READERS
 
 
 class ConfigError(ValueError):
@@ -286,7 +287,7 @@ class Settings:
         "threads the weights' prefetch reads with at once (a disk's best parallel read rate differs: faas-bench "
         "coldstart --page-cache dropped measures 8 and 16 beside the starts)")
     prefetch_restore_readers: int = _setting(
-        "PREFETCH_RESTORE_READERS", _positive_int, PREFETCH_READERS,
+        "PREFETCH_RESTORE_READERS", _positive_int, PREFETCH_RESTORE_READERS,
         "threads of the PREFETCH_READERS the weights' prefetch reads with until the CRIU restore faas-bootstrap "
         "began has handed over (fewer large reads ahead of the restore's own small ones in the disk's queue)")
     prefetch_start_pages: bool = _setting(
@@ -294,9 +295,6 @@ class Settings:
         "faas-bootstrap reads the file pages faas-build saw a start from the CRIU snapshot touch (its libraries' "
         "pages) into the page cache from its first instruction, before the weights' prefetch, when they are not "
         "there (0: the restored runtime faults them in, each read around by the kernel)")
-    start_pages_first: bool = _setting(
-        "START_PAGES_FIRST", _bool, EARLY_DEFAULTS["START_PAGES_FIRST"],
-        "the weights' prefetch begins once the start pages are in the page cache (0: both are read at once)")
     lazy_pages: bool = _setting(
         "LAZY_PAGES", _bool, EARLY_DEFAULTS["LAZY_PAGES"],
         "process snapshots: the restored runtime runs before its memory is all back; a criu lazy-pages daemon "

@@ -35,11 +35,10 @@ def main(argv: list[str] | None = None) -> int:
         if early_flag(argv, os.environ, "PREFETCH_WEIGHTS"):
             from runtime.weights import prefetch
 
-            first = pages if early_flag(argv, os.environ, "START_PAGES_FIRST") else None
             readers = prefetch.readers(setting(argv, os.environ, "PREFETCH_READERS"))
-            prefetch.start(setting(argv, os.environ, "MODEL"), after=first, readers=readers,
+            prefetch.start(setting(argv, os.environ, "MODEL"), after=pages, readers=readers,
                            restore_readers=prefetch.readers(setting(argv, os.environ, "PREFETCH_RESTORE_READERS"),
-                                                            readers) if kind is not None else None)
+                                                            prefetch.RESTORE_READERS) if kind is not None else None)
     if sys.flags.no_site:
         import site
 

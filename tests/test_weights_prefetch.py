@@ -92,6 +92,7 @@ def test_a_function_started_from_a_dropped_layout_prefetches_it(layout, tmp_path
             log = server.log()
             if name == "prefetched":
                 assert "weights prefetch: reading" in log and "with 3 threads" in log and "GiB in the page cache" in log
+                assert "once widened" not in log  # narrowed only beside a restore the entry point began
             else:
                 assert "weights prefetch" not in log
             r = httpx.post(f"{server.url}/v1/completions", timeout=60,

@@ -20,9 +20,7 @@ ALL_MODES = SERVER_MODES + (BASELINE_MODE,)
 #: process-lazy hands over before criu has restored all of the memory (LAZY_PAGES=1); cold-unprefetched and
 #: process-unprefetched leave the weights to whoever streams them (PREFETCH_WEIGHTS=0); process-unlisted and
 #: gpu-unlisted leave the restored runtime's file pages to its faults (PREFETCH_START_PAGES=0);
-#: process-pages-beside reads the start pages and the weights at once (START_PAGES_FIRST=0);
-#: process-narrow-restore prefetches on 4 threads until the restore has handed over (PREFETCH_RESTORE_READERS),
-#: process-narrow-beside too, beside the start pages;
+#: process-wide-restore prefetches on all 16 threads while CRIU restores, not 4 (PREFETCH_RESTORE_READERS);
 #: process-8-readers prefetches the weights on 8 threads rather than 16 (PREFETCH_READERS); process-memory-last
 #: has the weights' helper hand its memory over only with the stream's report (WEIGHTS_MEMORY_FIRST=0);
 #: process-site and cold-site start the entry point after `site`, as the `faas-bootstrap` script does (SITE_FIRST)
@@ -31,9 +29,7 @@ VARIANTS = {"process-site": ("process", {}),
             "process-lazy": ("process", {"LAZY_PAGES": "1"}),
             "process-unprefetched": ("process", {"PREFETCH_WEIGHTS": "0"}),
             "process-unlisted": ("process", {"PREFETCH_START_PAGES": "0"}),
-            "process-pages-beside": ("process", {"START_PAGES_FIRST": "0"}),
-            "process-narrow-restore": ("process", {"PREFETCH_RESTORE_READERS": "4"}),
-            "process-narrow-beside": ("process", {"PREFETCH_RESTORE_READERS": "4", "START_PAGES_FIRST": "0"}),
+            "process-wide-restore": ("process", {"PREFETCH_RESTORE_READERS": "16"}),
             "gpu-unlisted": ("gpu", {"PREFETCH_START_PAGES": "0"}),
             "process-8-readers": ("process", {"PREFETCH_READERS": "8"}),
             "process-memory-last": ("process", {"WEIGHTS_MEMORY_FIRST": "0"}),

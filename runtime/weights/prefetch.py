@@ -6,7 +6,9 @@ starts late: a process restore's weight helper once its own CUDA context exists,
 imported (seconds). Read into the page cache at once, READERS threads at a time (PREFETCH_READERS) in the
 layout's order (the order every stream reads them in), right after the start pages where there are some
 (snapshots/start_pages.py), they are there when the stream comes, or being read: the kernel then waits for the
-same read rather than starting another. Nothing waits for the prefetch itself.
+same read rather than starting another. Nothing waits for the prefetch itself. While a CRIU restore the entry
+point started is under way, only RESTORE_READERS of the threads read (PREFETCH_RESTORE_READERS); the bootstrap
+`widen`s it to all of them once the restore has handed over, or once it knows that it restores nothing.
 
 It is left out where it cannot help: the weights in the page cache already (runtime/weights/residency.py, or
 a kernel that cannot say), more of them than the memory available (they would evict each other), a model
@@ -28,6 +30,11 @@ from runtime.read_ahead import Piece, ReadAhead
 #: or faster in every reference read faas-bench made, and a start from cold disk got its weights soonest with 16
 #: (docs/benchmarks.md)
 READERS = 16
+#: of which read while CRIU restores (PREFETCH_RESTORE_READERS), until the restore has handed over: the
+#: restore's own small reads (the bootstrap's imports, CRIU's image, what the start pages do not hold) wait
+#: behind fewer large ones. On the GPU machine's disk 4 threads read nearly as fast as 16, and the restore
+#: handed over 1.1-1.3 s after spawn instead of 4.4-5.4 s (docs/benchmarks.md)
+RESTORE_READERS = 4
 #: what one thread reads before it takes the next piece
 PIECE_BYTES = 64 << 20
 #: the share of the memory available the weights may take

@@ -12,10 +12,12 @@ import sys
 import httpx
 import pytest
 
+from runtime.weights import prefetch
 from snapshots.start_pages import LIST_FILE, read_list
 from tests.server.conftest import API_KEY, REPO, server_env, start_server
 from tests.snapshots.conftest import ENGINE_ENV
 from tests.snapshots.test_process_snapshot import greedy_text
+from tests.test_weights_prefetch import drop_from_page_cache
 
 pytestmark = pytest.mark.criu
 
@@ -59,7 +61,7 @@ def test_faas_build_bakes_what_this_machine_can_and_the_function_boots_from_it(t
                           SERVED_MODEL_NAME="tiny-llama", **ENGINE_ENV)
     try:
         server.wait_ready()
-        health = httpx.get(f"{server.url}/health", timeout=5).json()
+        health = health_of(server)
         assert health["restore_path"] == "process"
         assert health["restore_order"]["source"] == "measured" and health["restore_order"]["fastest"] == "process"
         assert health["restore_order"]["seconds"] == {"process": measured["paths"]["process"]["median_s"]}
@@ -67,6 +69,19 @@ def test_faas_build_bakes_what_this_machine_can_and_the_function_boots_from_it(t
     finally:
         assert server.stop() == 0
     assert "restore order process, gpu, materialized (measured by faas-build" in server.log()
+
+    # the weights not in the page cache: the entry point prefetches them beside CRIU, on fewer threads until the
+    # restore has handed over
+    drop_from_page_cache([path for path, _ in prefetch.layout_files(str(out))])
+    server = start_server(tmp_path, "dropped", MODEL=str(out), SNAPSHOT_DIR=str(snapshots), API_KEY=API_KEY,
+                          SERVED_MODEL_NAME="tiny-llama", PREFETCH_READERS="6", PREFETCH_RESTORE_READERS="2",
+                          **ENGINE_ENV)
+    try:
+        server.wait_ready()
+        assert health_of(server)["restore_path"] == "process" and greedy_text(server) == expected
+    finally:
+        assert server.stop() == 0
+    assert "weights prefetch: reading 0.00 GiB into the page cache with 2 threads, 6 once widened" in server.log()
 
 
 def test_a_snapshot_kind_asked_for_by_name_that_cannot_be_baked_fails_the_build(tiny_model_dir, tmp_path):
@@ -77,3 +92,7 @@ def test_a_snapshot_kind_asked_for_by_name_that_cannot_be_baked_fails_the_build(
     assert last_line == "faas-build: snapshots not baked: gpu (see above); the others are in place"
     assert "needs a GPU" in r.stderr
     assert not (tmp_path / "snapshots" / "gpu").exists()
+
+
+def health_of(server) -> dict:
+    return httpx.get(f"{server.url}/health", timeout=5).json()
