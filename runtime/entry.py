@@ -36,9 +36,10 @@ def main(argv: list[str] | None = None) -> int:
             from runtime.weights import prefetch
 
             readers = prefetch.readers(setting(argv, os.environ, "PREFETCH_READERS"))
+            during_restore = prefetch.readers(setting(argv, os.environ, "PREFETCH_RESTORE_READERS"),
+                                              prefetch.RESTORE_READERS)
             prefetch.start(setting(argv, os.environ, "MODEL"), after=pages, readers=readers,
-                           restore_readers=prefetch.readers(setting(argv, os.environ, "PREFETCH_RESTORE_READERS"),
-                                                            prefetch.RESTORE_READERS) if kind is not None else None)
+                           restore_readers=during_restore if kind is not None else None)
     if sys.flags.no_site:
         import site
 

@@ -26,14 +26,15 @@ import time
 
 from runtime.read_ahead import Piece, ReadAhead
 
-#: threads reading at once (PREFETCH_READERS): on the GPU machine's disk 16 threads read a layout as fast as 8
-#: or faster in every reference read faas-bench made, and a start from cold disk got its weights soonest with 16
-#: (docs/benchmarks.md)
+#: threads reading at once (PREFETCH_READERS): on the GPU machine's disk 16 threads read a layout about as fast as
+#: 8 (faster in half of the reference reads faas-bench made), and a start from cold disk got its weights as soon
+#: or sooner with 16 (docs/weights.md)
 READERS = 16
 #: of which read while CRIU restores (PREFETCH_RESTORE_READERS), until the restore has handed over: the
 #: restore's own small reads (the bootstrap's imports, CRIU's image, what the start pages do not hold) wait
-#: behind fewer large ones. On the GPU machine's disk 4 threads read nearly as fast as 16, and the restore
-#: handed over 1.1-1.3 s after spawn instead of 4.4-5.4 s (docs/benchmarks.md)
+#: behind fewer large ones. On the GPU machine the restore of Llama-3-8B from cold disk then handed over 1.2-1.6 s
+#: after spawn instead of 2.7-5.9 s, and no start waited for the weights' helper after their last read; the
+#: median start was no faster (docs/benchmarks.md)
 RESTORE_READERS = 4
 #: what one thread reads before it takes the next piece
 PIECE_BYTES = 64 << 20
