@@ -9,16 +9,18 @@ handlers, and the handler raises KeyboardInterrupt (once: a second signal must n
 first one started). A poke that lands just before the main thread enters
 its system call interrupts nothing, so the watcher pokes again every 50 ms until the handler has run.
 
-The handler runs wherever the main thread is between bytecodes, and that may be inside a finalizer (a
-socket's or a response's `__del__`, run by the garbage collector): an exception raised there is printed
-and dropped, and the build would go on. So a handler that finds itself inside `__del__` does nothing, and
-the watcher's next poke (whose handler is the same) raises.
+The handler runs wherever the main thread is between bytecodes, and that may be where CPython drops what is
+raised: a finalizer (a socket's `__del__`, run by the garbage collector), a weakref's callback (the import
+system's module locks have one). There the KeyboardInterrupt goes to `sys.unraisablehook` instead of up the
+stack, and the build would go on. So the hook takes a dropped interrupt back: it is asked for again, and the
+watcher's next poke raises it, until one lands where it unwinds the main thread.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 from types import FrameType
 
@@ -30,11 +32,10 @@ def sigterm_interrupts_main() -> None:
     requested, raised = threading.Event(), threading.Event()
 
     def interrupt(signum: int, frame: FrameType | None) -> None:
-        """SIGTERM or SIGINT, or the watcher's poke: raises once an interrupt is asked for, where it will not be
-        dropped."""
+        """SIGTERM or SIGINT, or the watcher's poke: raises once an interrupt is asked for."""
         if signum != _POKE:
             requested.set()
-        if requested.is_set() and not raised.is_set() and not in_finalizer(frame):
+        if requested.is_set() and not raised.is_set():
             raised.set()
             raise KeyboardInterrupt
 
@@ -44,6 +45,16 @@ def sigterm_interrupts_main() -> None:
     os.set_blocking(write_end, False)
     signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
     main = threading.main_thread().ident
+    report_unraisable = sys.unraisablehook
+
+    def take_back(unraisable: "sys.UnraisableHookArgs") -> None:
+        if raised.is_set() and unraisable.exc_type is not None and issubclass(unraisable.exc_type, KeyboardInterrupt):
+            raised.clear()
+            os.write(write_end, bytes([signal.SIGTERM]))  # the watcher pokes again, as for the signal itself
+            return
+        report_unraisable(unraisable)
+
+    sys.unraisablehook = take_back
 
     def watch() -> None:
         while True:
@@ -54,12 +65,3 @@ def sigterm_interrupts_main() -> None:
                     raised.wait(0.05)
 
     threading.Thread(target=watch, name="signal-watcher", daemon=True).start()
-
-
-def in_finalizer(frame: FrameType | None) -> bool:
-    """Whether `frame` runs inside a `__del__`, where a raised exception would be dropped."""
-    while frame is not None:
-        if frame.f_code.co_name == "__del__":
-            return True
-        frame = frame.f_back
-    return False
