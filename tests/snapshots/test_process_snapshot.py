@@ -310,7 +310,7 @@ def test_a_trace_restores_every_instance_running_at_once_from_a_snapshot_of_its_
     import sys
 
     done = subprocess.run([sys.executable, "-m", "runtime.bench.cli", "trace", "--model", str(tiny_model_dir),
-                           "--device", "cpu", "--modes", "process", "--rates", "4", "--duration", "3",
+                           "--device", "cpu", "--modes", "process", "--rates", "12", "--duration", "3",
                            "--length-scale", "0.05", "--max-instances", "2", "--slots", "1", "--queue-threshold", "1",
                            "--instance-snapshot-dirs", ",".join(map(str, plain_snapshots)),
                            *[f"--set={k}={v}" for k, v in ENGINE_ENV.items() if k != "DEVICE"],
@@ -318,5 +318,5 @@ def test_a_trace_restores_every_instance_running_at_once_from_a_snapshot_of_its_
     assert done.returncode == 0, done.stderr[-3000:]
     (point,) = json.loads((tmp_path / "trace" / "trace.json").read_text())["points"]
     assert point["status"] == "ok" and point["completed"] == point["requests"] > 0, point
-    assert len(point["instances"]) == 2  # four requests a second with one slot each: the pool scaled out
+    assert len(point["instances"]) == 2  # twelve requests a second with one slot each: the pool scaled out
     assert [i["restore_path"] for i in point["instances"]] == ["process", "process"]
