@@ -357,3 +357,42 @@ def test_replot_draws_a_committed_runs_figure_from_its_json_and_refuses_bad_inpu
                           str(tmp_path / "also-missing.json"), str(tmp_path / "s.png")],
                          cwd=repo, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "missing.json" in bad.stderr
+
+
+def log_timeline(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "scripts/coldstart_log_timeline.py", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+
+
+def timeline_rows(stdout: str) -> list[dict[str, str]]:
+    lines = [line for line in stdout.splitlines() if line.startswith("| ") and not line.startswith("| ---")]
+    header = [cell.strip() for cell in lines[0].strip("|").split("|")]
+    return [dict(zip(header, (cell.strip() for cell in line.strip("|").split("|")))) for line in lines[1:]]
+
+
+def test_the_log_timeline_reads_every_start_of_a_run_from_its_boot_logs(coldstart, tmp_path):
+    """scripts/coldstart_log_timeline.py: a fresh run's logs (warm, on CPU: nothing read ahead), a committed cold-disk
+    run's (the prefetch narrowed in one arm and not in the other), and bad input, one line and exit 2."""
+    out, _ = coldstart
+    done = log_timeline(str(out / "coldstart.json"))
+    assert done.returncode == 0, done.stderr
+    (cold,) = [row for row in timeline_rows(done.stdout) if row["mode"] == "cold"]
+    assert float(cold["ready"]) < float(cold["spawn_to_first_token"])
+    assert cold["start_pages_s"] == cold["prefetch_end"] == cold["widened_after_s"] == ""  # warm: nothing read
+
+    done = log_timeline("docs/benchmarks/coldstart-h200-llama-3-8b-dropped.json")  # its logs in <name>-logs/
+    assert done.returncode == 0, done.stderr
+    rows = timeline_rows(done.stdout)
+    assert [row["mode"] for row in rows] == ["process"] * 6 + ["process-wide-restore"] * 6
+    for row in rows:
+        narrowed = row["mode"] == "process"
+        assert (row["widened_after_s"] != "") == narrowed
+        assert float(row["prefetch_end"]) <= float(row["ready"]) < float(row["spawn_to_first_token"])
+        assert float(row["restore_end"]) < float(row["helper_stream_start"]) < float(row["ready"])
+    assert "process (median of 6): spawn_to_first_token 9.797" in done.stdout
+
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "run.json").write_text(json.dumps({"modes": {}}))
+    for bad, why in (("missing.json", "missing.json"), ("run.json", "holds no start")):
+        done = log_timeline(str(tmp_path / bad))
+        assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and why in done.stderr, done.stderr
