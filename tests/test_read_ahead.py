@@ -19,7 +19,7 @@ from runtime.read_ahead import ReadAhead
 from runtime.weights import prefetch
 from runtime.weights.layout import write_layout
 from runtime.weights.residency import cached_bytes, cached_fraction
-from tests.test_weights_prefetch import drop_from_page_cache
+from tests.test_weights_prefetch import STILL_CACHED, drop_from_page_cache
 
 MiB = 1 << 20
 
@@ -40,7 +40,7 @@ def test_a_read_ahead_after_another_waits_for_its_end(tmp_path):
     os.close(os.open(blocked, os.O_WRONLY))  # the first one's open returns; a pipe cannot be read at an offset
     assert first.join(10) and first.error is not None
     assert second.join(10) and second.error is None
-    assert cached_bytes(weights) == 4 * MiB
+    assert STILL_CACHED * 4 * MiB <= cached_bytes(weights) <= 4 * MiB
     assert second.bytes == 4 * MiB and second.ended >= first.ended
 
 
@@ -59,7 +59,7 @@ def test_the_probe_reads_pages_then_weights_each_way_or_says_why_not(tmp_path, t
     report = json.loads(out.read_text())
     assert set(report["median"]) == {"alone", "busy:si=0.5"}
     assert all(m["weights_s"] > 0 and m["start_pages_s"] == 0 for m in report["median"].values())
-    assert cached_fraction([path for path, _ in prefetch.layout_files(str(layout))]) == 1.0
+    assert cached_fraction([path for path, _ in prefetch.layout_files(str(layout))]) >= STILL_CACHED
     bad = subprocess.run([sys.executable, "scripts/probe_read_ahead_beside_python.py", str(layout), "--ways",
                           "busy:si=0"], cwd=repo, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "si=0" in bad.stderr
@@ -80,9 +80,9 @@ def test_a_narrowed_read_ahead_reads_with_its_first_threads_until_widened(tmp_pa
     assert cached_bytes(weights) == 0  # the only thread waits on the first piece
     narrow.widen()
     deadline = time.time() + 10
-    while cached_bytes(weights) < 4 * MiB and time.time() < deadline:
+    while cached_bytes(weights) < STILL_CACHED * 4 * MiB and time.time() < deadline:
         time.sleep(0.05)
-    assert cached_bytes(weights) == 4 * MiB and not narrow.done.is_set()
+    assert cached_bytes(weights) >= STILL_CACHED * 4 * MiB and not narrow.done.is_set()
     os.close(os.open(blocked, os.O_WRONLY))
     assert narrow.join(10) and narrow.error is not None  # a pipe cannot be read at an offset
     time.sleep(0.2)  # the threads return right after the end

@@ -31,6 +31,12 @@ def weight_files(layout) -> list[str]:
     return [path for path, _ in files]
 
 
+#: the share of bytes just read that a test can count on finding in the page cache: some machines page cold
+#: physical memory out on their own (DAMON's pageout, by region), and a region it judged cold may hold pages just
+#: read
+STILL_CACHED = 0.9
+
+
 def drop_from_page_cache(paths: list[str]) -> None:
     for path in paths:
         fd = os.open(path, os.O_RDONLY)
@@ -52,7 +58,7 @@ def test_a_dropped_layout_is_read_back_into_the_page_cache(layout):
     assert started is not None and prefetch.skipped is None
     assert started.join(30) and started.error is None
     assert started.bytes == sum(os.path.getsize(p) for p in paths)
-    assert cached_fraction(paths) == 1.0
+    assert cached_fraction(paths) >= STILL_CACHED
 
 
 def test_prefetch_readers_is_read_as_the_bootstrap_reads_it():

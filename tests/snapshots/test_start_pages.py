@@ -16,6 +16,7 @@ from runtime.weights.residency import cached_bytes
 from snapshots import start_pages
 from snapshots.start_pages import LIST_FILE, FilePages, read_list
 from snapshots.start_pages_record import GAP_BYTES, PAGE, touched_pages, write_list
+from tests.test_weights_prefetch import STILL_CACHED
 from tests.test_weights_prefetch import drop_from_page_cache as drop_files
 
 MiB = 1 << 20
@@ -90,7 +91,7 @@ def test_a_list_is_read_into_a_dropped_page_cache_exactly(tmp_path):
     assert reading.join(30) and reading.error is None
     listed = PAGE + 64 * 1024 + 9 * MiB // 8
     assert reading.bytes == listed
-    assert cached_bytes(path) == listed  # no read-ahead around the pieces
+    assert STILL_CACHED * listed <= cached_bytes(path) <= listed  # no read-ahead around the pieces
 
     assert start_pages.start(str(snapshots), "process") is None
     assert start_pages.skipped == "the listed pages are in the page cache"
@@ -134,7 +135,7 @@ def test_the_read_probe_reads_a_list_both_ways_exactly_or_says_why_not(tmp_path)
     report = json.loads(out.read_text())
     assert report["bytes"] == 81 * PAGE and report["pieces"] == 3
     assert set(report["median_s"]) == {"one per thread", "queued"} and min(report["median_s"].values()) > 0
-    assert cached_bytes(path) == 81 * PAGE
+    assert STILL_CACHED * 81 * PAGE <= cached_bytes(path) <= 81 * PAGE
     bad = subprocess.run([sys.executable, "scripts/probe_start_pages_read.py", str(tmp_path / "nowhere.json")],
                          cwd=repo, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "nowhere.json" in bad.stderr
