@@ -117,9 +117,10 @@ def _prepare_page_cache(wanted: str) -> str:
 
 
 def _warm_up(plan: ColdStartPlan) -> None:
-    """Bring the model, the snapshots and the Python libraries into the page cache, so that the first run
-    is as warm as the others."""
-    paths = [Path(p).expanduser() for p in (plan.model, plan.settings.get("SNAPSHOT_DIR")) if p]
+    """Bring the model, the snapshots, the directory transformers loads (when it runs) and the Python libraries
+    into the page cache, so that the first run is as warm as the others."""
+    baseline = plan.baseline_model if BASELINE_MODE in plan.modes else None
+    paths = [Path(p).expanduser() for p in (plan.model, plan.settings.get("SNAPSHOT_DIR"), baseline) if p]
     warm_page_cache([p for p in paths if p.exists() and not str(p).startswith("s3:")])
     subprocess.run([sys.executable, "-c", "import torch, runtime.launch"], env=child_environment({}, 0.0),
                    check=False, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
