@@ -46,17 +46,19 @@ class ReadAhead:
         self.first_readers = min(readers, first_readers or readers)
         self._add_readers(self.first_readers)
 
-    def widen(self) -> None:
-        """Read with all READERS threads from now on (those not started yet start now, unless it has ended)."""
-        self._add_readers(self.readers)
+    def widen(self) -> int:
+        """Read with all READERS threads from now on: those not started yet start now, unless it has ended.
+        Returns how many started."""
+        return self._add_readers(self.readers)
 
-    def _add_readers(self, readers: int) -> None:
+    def _add_readers(self, readers: int) -> int:
         with self._lock:
             more = 0 if self.done.is_set() else max(0, readers - self._threads)
             self._threads += more
             self._running += more
         for _ in range(more):
             threading.Thread(target=self._read, name=self.what, daemon=True).start()
+        return more
 
     def _read(self) -> None:
         fds: dict[str, int] = {}

@@ -133,8 +133,7 @@ def start(model: str | None, after: ReadAhead | None = None, readers: int = READ
 
 def widen() -> None:
     """The restore has handed over, or this start restores nothing: the prefetch reads with all its threads."""
-    if current is not None and current.first_readers < current.readers and not current.done.is_set():
-        current.widen()
+    if current is not None and current.widen():
         from runtime.logs import get_logger
 
         get_logger("weights.prefetch").info("weights prefetch: %d threads from %.2f s after it began",
