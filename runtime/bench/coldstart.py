@@ -1,6 +1,7 @@
 """`faas-bench coldstart`: one fresh process per mode and repetition, spawn -> first token, with the
 server's own stage timeline. Modes are interleaved across repetitions, so drift (thermal, page cache,
-other load) falls on every mode alike."""
+other load) falls on every mode alike; from a dropped page cache, the reference read of the disk
+(runtime/bench/disk_read.py) is a turn of each round too."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import httpx
 
 from runtime.bench import BenchError
 from runtime.bench.client import stream_completion
-from runtime.bench.disk_read import bytes_read_from_disks
+from runtime.bench.disk_read import DiskRead, bytes_read_from_disks
 from runtime.bench.hf_baseline import run_baseline, unavailable_reason
 from runtime.bench.instance import Instance, ModeUnavailable, child_environment
 from runtime.bench.page_cache import drop_page_cache, warm_page_cache
@@ -39,7 +40,9 @@ class ColdStartPlan:
     baseline_model: str | None = None  # what transformers loads (None: model)
 
 
-async def run_coldstart(plan: ColdStartPlan) -> list[ModeResult]:
+async def run_coldstart(plan: ColdStartPlan, reference: DiskRead | None = None) -> list[ModeResult]:
+    """Every mode's starts, in rounds. REFERENCE, from a dropped page cache: read once more before each round's
+    starts, each of which is held against that round's fastest read (`StartRun.reference_read_s`)."""
     results = {mode: ModeResult(mode) for mode in plan.modes}
     prompt = PromptMaker(plan.model).prompt(plan.prompt_tokens)
     if BASELINE_MODE in results:
@@ -51,6 +54,11 @@ async def run_coldstart(plan: ColdStartPlan) -> list[ModeResult]:
         _warm_up(plan)
     async with httpx.AsyncClient() as client:
         for rep in range(plan.repeat):
+            round_reference = None
+            if reference is not None and plan.page_cache == "dropped":
+                round_reference = _read_reference(reference, rep, plan)
+                if round_reference is None:  # it cannot be read: not this round, nor the next
+                    reference = None
             for mode, result in results.items():
                 if result.status != "ok":  # skipped or failed once: the reason will not change
                     continue
@@ -73,6 +81,7 @@ async def run_coldstart(plan: ColdStartPlan) -> list[ModeResult]:
                     results[mode] = ModeResult(mode, "failed", str(exc), result.runs)
                 else:
                     run.disk_read_bytes = _read_since(read_before)
+                    run.reference_read_s = round_reference
                     result.runs.append(run)
     return list(results.values())
 
@@ -98,6 +107,17 @@ async def _start_server_once(client: httpx.AsyncClient, plan: ColdStartPlan, mod
                     spawn_to_first_token_s=round(timing.first_token_at - instance.spawned_at, 6), stages=stages,
                     prompt_tokens=timing.prompt_tokens, page_cache=page_cache,
                     disk_read_to_answer_bytes=read_to_answer)
+
+
+def _read_reference(reference: DiskRead, rep: int, plan: ColdStartPlan) -> float | None:
+    """This round's fastest read of REFERENCE, made now; None where it cannot be made (and why, logged)."""
+    log.info("coldstart: the reference read, run %d/%d (%s threads)", rep + 1, plan.repeat,
+             ", ".join(map(str, reference.thread_counts)))
+    why_not = reference.read_once()
+    if why_not:
+        log.warning("%s: no reference read", why_not)
+        return None
+    return round(reference.latest_best_s(), 4)
 
 
 def _read_since(before: int | None) -> int | None:

@@ -59,6 +59,8 @@ class StartRun:
     disk_read_bytes: int | None = None
     #: of which until the first request's answer was complete: what the start itself read (a server's start)
     disk_read_to_answer_bytes: int | None = None
+    #: from a dropped page cache, the fastest read of the model in this start's round (runtime/bench/disk_read.py)
+    reference_read_s: float | None = None
 
 
 @dataclass

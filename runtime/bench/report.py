@@ -39,21 +39,26 @@ def coldstart_summary(result: ModeResult) -> dict[str, Any]:
             per_stage.setdefault(name, []).append(seconds)
     read = [r.disk_read_bytes / GiB for r in result.runs if r.disk_read_bytes is not None]
     to_answer = [r.disk_read_to_answer_bytes / GiB for r in result.runs if r.disk_read_to_answer_bytes is not None]
+    over = [r.spawn_to_first_token_s / r.reference_read_s for r in result.runs if r.reference_read_s]
     return {"spawn_to_first_token_s": spread([r.spawn_to_first_token_s for r in result.runs]),
             "spawn_to_ready_s": spread([r.spawn_to_ready_s for r in result.runs]),
+            **({"over_reference_read": spread(over)} if over else {}),
             **({"disk_read_to_answer_gib": spread(to_answer)} if to_answer else {}),
             **({"disk_read_gib": spread(read)} if read else {}),
             "stages_s": {name: spread(values) for name, values in _in_stage_order(per_stage)}}
 
 
 def coldstart_table(results: list[ModeResult]) -> str:
-    """One row per mode: spawn -> first token (median, min, max), spawn -> ready, what the start read from disk
-    until its answer and until its exit (runs from a dropped page cache), and each stage's median."""
+    """One row per mode: spawn -> first token (median, min, max), spawn -> ready, each start's spawn -> first
+    token over its round's reference read, what the start read from disk until its answer and until its exit
+    (runs from a dropped page cache), and each stage's median."""
     summaries = {r.mode: coldstart_summary(r) for r in results}
     stage_names = [name for name, _ in _in_stage_order(
         {name: None for s in summaries.values() for name in s.get("stages_s", {})})]
     read = any(run.page_cache == "dropped" and run.disk_read_bytes is not None for r in results for run in r.runs)
+    over = any("over_reference_read" in s for s in summaries.values())
     head = (["mode", "runs", "spawn → first token (s), median", "min", "max", "spawn → ready (s)"]
+            + (["over the round's reference read, median (min-max)"] if over else [])
             + (["read to answer (GiB)", "read to exit (GiB)"] if read else []) + stage_names)
     rows = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for result in results:
@@ -64,6 +69,9 @@ def coldstart_table(results: list[ModeResult]) -> str:
             first = s["spawn_to_first_token_s"]
             cells = [result.mode, str(len(result.runs)), f"{first['median']:.3f}", f"{first['min']:.3f}",
                      f"{first['max']:.3f}", f"{s['spawn_to_ready_s']['median']:.3f}"]
+            if over:
+                ratio = s.get("over_reference_read")
+                cells.append(f"{ratio['median']:.3f} ({ratio['min']:.2f}-{ratio['max']:.2f})" if ratio else "")
             if read:
                 cells += [f"{s[key]['median']:.2f}" if key in s else "" for key in ("disk_read_to_answer_gib",
                                                                                     "disk_read_gib")]
