@@ -429,17 +429,23 @@ def test_the_log_timeline_reads_every_start_of_a_run_from_its_boot_logs(coldstar
         assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and why in done.stderr, done.stderr
 
 
-def test_a_warm_run_warms_the_directory_transformers_loads(tiny_model, tmp_path):
-    """The transformers baseline's own directory (--baseline-model) is read into the page cache before a warm
-    run, as the model and the snapshots are: its first start must not be the one that reads it from disk."""
+def test_a_warm_run_warms_the_directory_transformers_loads_and_the_libraries_every_start_imports(tiny_model,
+                                                                                                  tmp_path):
+    """The transformers baseline's own directory (--baseline-model) and the libraries the starts import from are
+    read into the page cache before a warm run, as the model and the snapshots are: no mode's first start may be
+    the one that reads them from disk. The library file here is one `import torch` does not read."""
+    import transformers.models.llama.modeling_llama as modeling
+
     from runtime.bench.coldstart import ColdStartPlan, _warm_up
     from runtime.weights.residency import cached_fraction
     from tests.test_weights_prefetch import STILL_CACHED, drop_from_page_cache
 
     source = Path(tiny_model("tiny-llama"))
     files = [str(p) for p in source.iterdir() if p.is_file()]
-    drop_from_page_cache(files)
+    library = [path for path in (modeling.__file__, modeling.__cached__) if path and Path(path).exists()]
+    drop_from_page_cache(files + library)
     plan = ColdStartPlan(model=str(tmp_path / "layout"), modes=("transformers",), repeat=1, page_cache="warm",
                          settings={}, log_dir=tmp_path, baseline_model=str(source))
     _warm_up(plan)
     assert cached_fraction(files) >= STILL_CACHED
+    assert cached_fraction(library) >= STILL_CACHED
