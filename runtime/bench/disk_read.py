@@ -3,9 +3,9 @@ start read from the machine's disks.
 
 `read_files` is the plain parallel read (N threads, preadv of 64 MiB pieces into reused buffers, the data
 thrown away); a `DiskRead` reads the files once per thread count it tries, each from a dropped page cache, as
-often as it is asked: `faas-bench coldstart` asks before each round of starts. The disk read the same layout
-in 8.3-9.1 s on 8 threads and 8.7-11.4 s on 16 in three rounds on one GPU machine: one read is no rate to hold a
-median of starts against. The reference is the fastest thread count's median, and each start is also held
+often as it is asked: `faas-bench coldstart` asks before each round of starts. In six rounds on one GPU
+machine the disk read the same layout in 7.8-9.5 s on 8 threads and 8.2-10.5 s on 16: one read is no rate to
+hold a median of starts against. The reference is the fastest thread count's median, and each start is also held
 against the fastest read of its own round.
 
 `bytes_read_from_disks` is the kernel's count of bytes read from the machine's physical disks: taken before
