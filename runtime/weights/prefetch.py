@@ -27,7 +27,7 @@ import time
 from runtime.read_ahead import Piece, ReadAhead
 
 #: threads reading at once (PREFETCH_READERS): on the GPU machine's disk 16 threads read a layout about as fast as
-#: 8 (faster in about half of the reference reads faas-bench made), and starts from cold disk with 16 came as soon
+#: 8 (faster in 15 of the 36 reference reads faas-bench made), and starts from cold disk with 16 came as soon
 #: as with 8 over the four runs that compared them (docs/weights.md)
 READERS = 16
 #: of which read while CRIU restores (PREFETCH_RESTORE_READERS), until the restore has handed over: the
