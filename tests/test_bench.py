@@ -449,3 +449,22 @@ def test_a_warm_run_warms_the_directory_transformers_loads_and_the_libraries_eve
     _warm_up(plan)
     assert cached_fraction(files) >= STILL_CACHED
     assert cached_fraction(library) >= STILL_CACHED
+
+
+def test_the_memory_first_touch_probe_times_each_pass_and_refuses_bad_input(tmp_path):
+    """scripts/probe_memory_first_touch.py: each pass writes the memory it maps, after its idle wait, and the JSON
+    says how long each took and whether the machine's balloon reports free pages to its host."""
+    out = tmp_path / "first-touch.json"
+    probe = [sys.executable, "scripts/probe_memory_first_touch.py"]
+    done = subprocess.run([*probe, "--gib", "0.0625", "--idle", "0,0.2", "--out", str(out)], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    record = json.loads(out.read_text())
+    assert record["bytes"] == 64 << 20 and record["free_page_reporting"] in (True, False, None)
+    assert [p["idle_before_s"] for p in record["passes"]] == [0.0, 0.2]
+    for written in record["passes"]:
+        assert written["seconds"] > 0 and written["gib_s"] == pytest.approx(1 / 16 / written["seconds"], rel=0.01)
+    assert done.stdout.count("GiB written in") == 2
+    for argv, says in ((["--gib", "0"], "less than a page"), (["--idle", "1,x"], "not a list of seconds")):
+        bad = subprocess.run([*probe, *argv], cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and says in bad.stderr
