@@ -411,7 +411,8 @@ def test_the_log_timeline_reads_every_start_of_a_run_from_its_boot_logs(coldstar
     assert float(cold["ready"]) < float(cold["spawn_to_first_token"])
     assert cold["start_pages_s"] == cold["prefetch_end"] == cold["widened_after_s"] == ""  # warm: nothing read
 
-    done = log_timeline("docs/benchmarks/coldstart-h200-llama-3-8b-dropped-wide-restore.json")  # its logs in <name>-logs/
+    # its logs in <name>-logs/
+    done = log_timeline("docs/benchmarks/coldstart-h200-llama-3-8b-dropped-wide-restore.json")
     assert done.returncode == 0, done.stderr
     rows = timeline_rows(done.stdout)
     assert [row["mode"] for row in rows] == ["process"] * 6 + ["process-wide-restore"] * 6
