@@ -452,6 +452,21 @@ def test_a_warm_run_warms_the_directory_transformers_loads_and_the_libraries_eve
     assert cached_fraction(library) >= STILL_CACHED
 
 
+def test_the_warm_up_reads_no_directory_that_holds_the_checkout(tmp_path):
+    """A PYTHONPATH entry above the checkout (/, its parent) would make the warm-up read everything under it: the
+    checkout and what holds it are left out, the interpreter's own libraries are not."""
+    import os
+
+    from runtime.bench.coldstart import _import_roots
+    from runtime.bench.instance import SOURCE_ROOT, child_environment
+
+    env = child_environment({}, 0.0)
+    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], "/", str(SOURCE_ROOT.parent), str(tmp_path)])
+    roots = _import_roots(env)
+    assert tmp_path.resolve() in roots and Path(pytest.__file__).resolve().parents[1] in roots
+    assert not any(SOURCE_ROOT.is_relative_to(root) for root in roots)
+
+
 def test_the_memory_first_touch_probe_times_each_pass_and_refuses_bad_input(tmp_path):
     """scripts/probe_memory_first_touch.py: each pass writes the memory it maps, after its idle wait, and the JSON
     says how long each took and whether the machine's balloon reports free pages to its host."""

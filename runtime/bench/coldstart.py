@@ -151,9 +151,10 @@ def _warm_up(plan: ColdStartPlan) -> None:
 
 
 def _import_roots(env: dict[str, str]) -> list[Path]:
-    """The directories an interpreter started with ENV imports from (sys.path), but this checkout itself (which
-    may hold much else; a virtual environment inside it is one of the directories)."""
+    """The directories an interpreter started with ENV imports from (sys.path), but this checkout and the
+    directories around it (which may hold much else; a virtual environment inside it is one of the
+    directories)."""
     done = subprocess.run([sys.executable, "-c", "import sys; print(*sys.path, sep='\\n')"], env=env,
                           capture_output=True, text=True, check=False)
     roots = {Path(p).resolve() for p in done.stdout.splitlines() if p}
-    return sorted(p for p in roots if p.is_dir() and p != SOURCE_ROOT)
+    return sorted(p for p in roots if p.is_dir() and not SOURCE_ROOT.is_relative_to(p))
