@@ -41,11 +41,10 @@ def first_write_seconds(size: int) -> float:
 
 def free_page_reporting() -> bool | None:
     """Whether a virtio balloon of this machine reports free pages to its host; None without one."""
-    found = None
-    for device in BALLOON_DRIVER.glob("virtio*"):
-        bits = (device / "features").read_text().strip()
-        found = bool(found) or (len(bits) > FREE_PAGE_REPORTING and bits[FREE_PAGE_REPORTING] == "1")
-    return found
+    features = [(device / "features").read_text().strip() for device in BALLOON_DRIVER.glob("virtio*")]
+    if not features:
+        return None
+    return any(bits[FREE_PAGE_REPORTING:FREE_PAGE_REPORTING + 1] == "1" for bits in features)
 
 
 def idle_list(text: str) -> list[float]:

@@ -139,7 +139,7 @@ def _prepare_page_cache(wanted: str) -> str:
 def _warm_up(plan: ColdStartPlan) -> None:
     """Bring the model, the snapshots, the directory transformers loads (when it runs) and the Python libraries
     into the page cache, so that the first run is as warm as the others. The libraries are every file the
-    starts' interpreter imports from (its sys.path but this checkout, whose modules the import below reads): an
+    starts' interpreter imports from (its sys.path, but not the checkout, whose modules the import below reads): an
     import reads only the pages it touches, and each mode touches others later (after `import torch` alone, the
     first transformers start read 0.2 GiB of them, on the GPU machine and on the CPU one)."""
     baseline = plan.baseline_model if BASELINE_MODE in plan.modes else None
