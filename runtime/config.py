@@ -300,6 +300,10 @@ class Settings:
         "process snapshots: the restored runtime runs before its memory is all back; a criu lazy-pages daemon "
         "copies the rest in behind it and serves its page faults first (userfaultfd; without it, a plain "
         "restore); 0: criu restores all of the memory before the runtime runs")
+    criu_feature_cache: bool = _setting(
+        "CRIU_FEATURE_CACHE", _bool, EARLY_DEFAULTS["CRIU_FEATURE_CACHE"],
+        "CRIU restores: criu is handed the record of the kernel's features faas-build took, where it describes "
+        "this machine, instead of probing them at its start (0: criu probes them, as it does without a record)")
     handler: str = _setting(
         "HANDLER", str, "handlers.openai:handler", "module:attribute of the handler to serve")
     served_model_name: str | None = _setting(

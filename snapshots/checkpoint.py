@@ -99,10 +99,12 @@ def dump(criu: Criu, frozen: Frozen, directory: Path, extra: list[str] = ()) -> 
     return time.time() - started
 
 
-def start_restore(criu: Criu, directory: Path, extra: list[str] = ()) -> RestoreRun:
+def start_restore(criu: Criu, directory: Path, extra: list[str] = (),
+                  kernel_features: dict | None = None) -> RestoreRun:
     """criu restore of the snapshot in DIRECTORY, detached, in the background: the restored init becomes our
-    child (we are its subreaper). CRIU undoes a restore that fails."""
-    return RestoreRun(criu.path, directory / IMAGES, [*CRIU_OPTIONS, *extra])
+    child (we are its subreaper). CRIU undoes a restore that fails. KERNEL_FEATURES: the snapshot's record of
+    them, offered to criu (snapshots/kernel_features.py)."""
+    return RestoreRun(criu.path, directory / IMAGES, [*CRIU_OPTIONS, *extra], kernel_features)
 
 
 def finish_restore(run: RestoreRun) -> tuple[int, float]:

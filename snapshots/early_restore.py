@@ -3,7 +3,8 @@
 What a start from a CRIU snapshot waits for first is CRIU itself (0.2-0.4 s on the H100 machine), yet the
 bootstrap reached it only after its imports, its settings and the snapshot's checks (0.11-0.16 s from
 spawn). So the entry point reads the settings that decide which snapshot would be restored first (RESTORE,
-SNAPSHOT_DIR, MODEL and LAZY_PAGES, from the command line or the environment, as text), starts `criu restore` for it
+SNAPSHOT_DIR, MODEL, LAZY_PAGES and CRIU_FEATURE_CACHE, from the command line or the environment, as text), starts
+`criu restore` for it
 and only then imports the bootstrap. The bootstrap parses every setting and checks the snapshot as it
 always does (snapshots/restore.py: `take_over`) and `take`s this restore where it would have started the
 same one; anything else `abandon`s it: CRIU is waited for and what it restored is killed before the start
@@ -60,7 +61,8 @@ def start(argv: Sequence[str], environ: Mapping[str, str] = os.environ, check: b
         if image_file_problem(images, manifest["files"]) is not None:
             return None  # the bootstrap says why; CRIU can hang on a truncated image
         lazy = early_flag(argv, environ, "LAZY_PAGES")
-        _running = RestoreRun(criu, images, (*CRIU_OPTIONS, *kind_options(kind, lazy)))
+        features = manifest.get("kernel_features") if early_flag(argv, environ, "CRIU_FEATURE_CACHE") else None
+        _running = RestoreRun(criu, images, (*CRIU_OPTIONS, *kind_options(kind, lazy)), features)
         _kind = kind
         _unchecked = (kind, images, manifest)
         if check:

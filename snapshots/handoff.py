@@ -36,7 +36,7 @@ class Handoff:
     argv: list[str] = field(default_factory=list)  # the bootstrap's flags, parsed again after restore
     skipped: dict[str, str] = field(default_factory=dict)
     verify: bool = False  # faas-build's check that the image restores: take over, answer, exit 0
-    restore_detail: dict[str, float] = field(default_factory=dict)  # seconds of CRIU's and CUDA's parts
+    restore_detail: dict[str, float | bool | str] = field(default_factory=dict)  # CRIU's and CUDA's parts, how criu ran
     weights_channel: bool = False  # a third descriptor: the helper's weights (see above)
     verify_span: list[float] = field(default_factory=list)  # [start, end, bytes] of the image files' check
 

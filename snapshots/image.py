@@ -38,6 +38,8 @@ class SnapshotImage:
     hash: str = ""  # of the image files' digests
     digests: dict[str, str] = field(default_factory=dict)  # image file -> digest, taken after the dump
     model_dirs: dict[str, str] = field(default_factory=dict)  # several models: name -> where it was built from
+    #: criu's record of the baking machine's kernel features (snapshots/kernel_features.py); {} if not taken
+    kernel_features: dict = field(default_factory=dict)
 
     def sources(self) -> list[str]:
         """The model directories the frozen engines were built from (their weights load from there)."""

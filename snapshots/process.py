@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Callable
 from runtime.config import Settings
 from runtime.logs import get_logger
 from runtime.timeline import process_start_time
-from snapshots import checkpoint, handoff
+from snapshots import checkpoint, handoff, kernel_features
 from snapshots.checkpoint import SnapshotError
 from snapshots.criu import Criu, find_criu, restore_blockers
 from snapshots.fingerprint import current_fingerprint, resolved_device
@@ -126,10 +126,15 @@ def bake_snapshot(kind: str, settings: Settings, model_dir: Path | None, snapsho
         log.info("%s snapshot: runtime ready in %.1f s; checkpointing pid %d", kind, build_s, frozen.pid)
         if hooks.before_dump is not None:
             hooks.before_dump(frozen.pid)
+        kernel_features.withdraw()  # a dump must probe: the record's zero page and shmem device are one boot's
         dump_s = checkpoint.dump(criu, frozen, tmp, hooks.criu_options)
         files = list_image_files(tmp)
         digested = time.time()
         digests = digest_files(tmp / IMAGES, sorted(files))
+        features, why_not = kernel_features.probe(criu.path)
+        if features is None:
+            log.warning("%s snapshot: no record of the kernel's features for criu (each restore probes them): %s",
+                        kind, why_not)
         image = SnapshotImage(kind=kind, snapshot_id=frozen.snapshot_id,
                               fingerprint=current_fingerprint(settings, criu.version),
                               model_dir=str(model_dir or ""), model_dirs=several,
@@ -137,7 +142,7 @@ def bake_snapshot(kind: str, settings: Settings, model_dir: Path | None, snapsho
                               verify_restore_s=0.0, timings={"build_s": round(build_s, 3),
                                                              "digest_s": round(time.time() - digested, 3)},
                               pid_namespace=pid_namespace, weights_left_out=weights_left_out, hash=HASH,
-                              digests=digests)
+                              digests=digests, kernel_features=features or {})
         log.info("%s snapshot: dumped %.0f MB in %.2f s; checking that it restores", kind,
                  image.size_bytes / 1e6, dump_s)
         image.verify_restore_s = round(verify_restores(criu, tmp, image, hooks), 3)
@@ -168,12 +173,13 @@ def verify_restores(criu: Criu, directory: Path, image: SnapshotImage, hooks: Cr
 
 def thaw(criu: Criu, directory: Path, image: SnapshotImage, message: handoff.Handoff,
          hooks: CriuHooks, verification: Verification | None = None,
-         running: RestoreRun | None = None) -> RestoreRun:
+         running: RestoreRun | None = None, feature_cache: bool = True) -> RestoreRun:
     """Restore and hand over; returns the restore, done (`wait()`: the running process's pid, our child, and
     the restore's seconds; `lazy_pages`: the daemon still filling its memory in, if LAZY_PAGES).
     VERIFICATION (the image files' digests, being checked since before the restore) must pass before the
     restored process gets its instance. RUNNING: this snapshot's restore, started early by the entry point
-    (snapshots/early_restore.py), else it starts here. Raises SnapshotError, HandoffError or DigestMismatch
+    (snapshots/early_restore.py), else it starts here, offered the image's record of the kernel's features
+    unless FEATURE_CACHE is False. Raises SnapshotError, HandoffError or DigestMismatch
     with nothing left running."""
     helper = None
     try:
@@ -187,7 +193,8 @@ def thaw(criu: Criu, directory: Path, image: SnapshotImage, message: handoff.Han
     try:
         if running is None:
             message.restore_detail["before_criu_s"] = round(time.time() - message.restore_started, 4)
-            running = checkpoint.start_restore(criu, directory, hooks.criu_options)
+            running = checkpoint.start_restore(criu, directory, hooks.criu_options,
+                                               image.kernel_features if feature_cache else None)
         else:  # CRIU has been restoring since the entry point; the bootstrap's imports and checks overlapped it
             message.restore_detail["early_s"] = round(time.time() - running.started, 4)
         try:
@@ -198,6 +205,7 @@ def thaw(criu: Criu, directory: Path, image: SnapshotImage, message: handoff.Han
             raise
         log.info("%s snapshot: CRIU restored pid %d in %.3f s", image.kind, pid, restore_s)
         message.restore_detail["criu_s"] = round(restore_s, 4)
+        message.restore_detail["kernel_features"] = "record" if running.features_offered else "probed"
         if running.lazy_pages is not None:
             message.restore_detail["lazy_pages"] = True
         elif running.lazy_refused is not None:

@@ -96,7 +96,7 @@ def _take_over(settings: Settings, argv: list[str]) -> int | None:
             from snapshots.process import boot_handoff, thaw
 
             restored = thaw(criu, directory, image, boot_handoff(kind, argv, _skipped, running), hooks,
-                            verification, running)
+                            verification, running, settings.criu_feature_cache)
         except DigestMismatch as exc:  # undone by thaw, like any failure; the reason is the file
             log.warning("restore path %s refused, starting fresh: %s", kind, exc)
             _skipped[kind] = str(exc)

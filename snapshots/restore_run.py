@@ -11,7 +11,7 @@ import time
 
 TYPE_CHECKING = False  # typing itself is not imported at start
 if TYPE_CHECKING:
-    from typing import Sequence
+    from typing import Mapping, Sequence
 
 #: a snapshot's CRIU image files, in its directory, and what they are (snapshots/image.py)
 IMAGES = "images"
@@ -64,9 +64,11 @@ class RestoreRun:
     is made a subreaper before CRIU starts. With LAZY_OPTIONS, `lazy_pages` is the pid of the daemon that
     fills the restored memory in after `wait()`: whoever supervises the restored process watches it. A
     daemon that cannot start (a kernel without userfaultfd) leaves a plain restore, and its reason in
-    `lazy_refused`."""
+    `lazy_refused`. KERNEL_FEATURES: the snapshot's record of them, offered to criu while it restores
+    (snapshots/kernel_features.py)."""
 
-    def __init__(self, criu_path: str, images: str | os.PathLike, options: Sequence[str]) -> None:
+    def __init__(self, criu_path: str, images: str | os.PathLike, options: Sequence[str],
+                 kernel_features: Mapping | None = None) -> None:
         set_subreaper()
         self.criu_path, self.images, self.options = criu_path, os.fspath(images), tuple(options)
         self.workdir = _private_dir()
@@ -77,7 +79,13 @@ class RestoreRun:
         self.lazy_pages: int | None = None
         self.lazy_refused: str | None = None
         self.started = time.time()
+        #: whether criu was handed the snapshot's record of the kernel's features (else it probed them)
+        self.features_offered = self._offered = False
         try:
+            if kernel_features:
+                from snapshots import kernel_features as features
+
+                self.features_offered = self._offered = features.offer(kernel_features)
             restore = [o for o in self.options if o not in LAZY_OPTIONS]
             if LAZY_OPTIONS[0] in self.options:
                 self.lazy_pages = self._start_lazy_pages()
@@ -87,6 +95,7 @@ class RestoreRun:
                                                 "-o", self._log, "-v4"])
         except BaseException:
             self.stop_lazy_pages()
+            self._withdraw()
             _remove(self.workdir)
             raise
 
@@ -140,10 +149,19 @@ class RestoreRun:
             except Exception as exc:  # noqa: BLE001 - kept: a second wait raises it again
                 self._outcome = exc
             finally:
+                self._withdraw()
                 _remove(self.workdir)
         if isinstance(self._outcome, BaseException):
             raise self._outcome
         return self._outcome
+
+    def _withdraw(self) -> None:
+        """criu has read the record of kernel features it was offered by now: no later criu run finds it."""
+        if self._offered:
+            from snapshots import kernel_features
+
+            kernel_features.withdraw()
+            self._offered = False
 
     def _finish(self, timeout: float) -> tuple[int, float]:
         status = self._wait_exit(timeout)
