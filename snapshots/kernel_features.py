@@ -60,7 +60,11 @@ def probe(criu_path: str, timeout: float = 60.0) -> tuple[dict, None] | tuple[No
         why = result.stderr.decode(errors="replace").strip().splitlines()
         return None, f"exit {result.returncode}: {why[-1] if why else 'criu wrote no record'}"
     record = result.stdout
-    return {"machine": machine(), "record": record.hex(), "crc32": zlib.crc32(record)}, None
+    try:
+        described = machine()
+    except OSError as exc:
+        return None, f"cannot say which machine it describes: {exc}"
+    return {"machine": described, "record": record.hex(), "crc32": zlib.crc32(record)}, None
 
 
 def offer(features: Mapping | None) -> bool:

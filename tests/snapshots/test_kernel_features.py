@@ -105,3 +105,9 @@ def test_a_restore_says_whether_criu_had_the_record(process_snapshot, tiny_model
         assert not os.path.lexists(kernel_features.RUN_RECORD)  # withdrawn once criu had restored
     finally:
         server.stop()
+
+
+@pytest.mark.criu
+def test_a_record_that_cannot_be_taken_says_why(tmp_path):
+    features, why = kernel_features.probe(str(tmp_path / "no-criu"))
+    assert features is None and "criu.kdat" in why  # criu never ran, so it wrote no record
