@@ -2,14 +2,13 @@
 
 What a start from a CRIU snapshot waits for first is CRIU itself (0.2-0.4 s on the H100 machine), yet the
 bootstrap reached it only after its imports, its settings and the snapshot's checks (0.11-0.16 s from
-spawn). So the entry point reads the settings that decide which snapshot would be restored first (RESTORE,
-SNAPSHOT_DIR, MODEL, LAZY_PAGES and CRIU_FEATURE_CACHE, from the command line or the environment, as text), starts
-`criu restore` for it
-and only then imports the bootstrap. The bootstrap parses every setting and checks the snapshot as it
-always does (snapshots/restore.py: `take_over`) and `take`s this restore where it would have started the
-same one; anything else `abandon`s it: CRIU is waited for and what it restored is killed before the start
-goes on. The restored process gets its instance only through the hand-over, after those checks and the
-image's digests have passed, so starting early changes when CRIU runs, never what is restored or served.
+spawn). So the entry point reads the settings that decide which snapshot would be restored first and how
+(RESTORE, SNAPSHOT_DIR, MODEL, LAZY_PAGES and CRIU_FEATURE_CACHE, from the command line or the environment, as
+text), starts `criu restore` for it and only then imports the bootstrap. The bootstrap parses every setting
+and checks the snapshot as it always does (snapshots/restore.py: `take_over`) and `take`s this restore where it
+would have started the same one; anything else `abandon`s it: CRIU is waited for and what it restored is killed
+before the start goes on. The restored process gets its instance only through the hand-over, after those checks
+and the image's digests have passed, so starting early changes when CRIU runs, never what is restored or served.
 
 It also starts the check of that snapshot's image files against the digests in its manifest, on threads,
 right after CRIU, or once `site` has run in an entry point started without it (snapshots/integrity.py); the

@@ -1,7 +1,8 @@
 """criu's record of the kernel's features, taken by faas-build and handed to each restore.
 
-Every criu run begins by probing what the kernel can do (netlink, iptables, userfaultfd, the vDSO...: about
-30 ms of a restore's criu on the CPU machine) unless it finds its record of them, `/run/criu.kdat`. criu keeps
+Every criu run begins by probing what the kernel can do (netlink, iptables, userfaultfd, the vDSO...: 20-25 ms
+of a restore's criu on the CPU machine, 25-68 ms on an H200 machine) unless it finds its record of them,
+`/run/criu.kdat`. criu keeps
 that record only where /run is a tmpfs, so that a reboot, perhaps into another kernel, takes it away. In a
 container /run is a directory of the image, and a serverless start is its container's first criu run anyway:
 every restore probed. So faas-build has criu probe once, in a mount namespace of its own whose /run is a tmpfs,
