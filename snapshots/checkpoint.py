@@ -103,7 +103,7 @@ def start_restore(criu: Criu, directory: Path, extra: list[str] = (),
                   kernel_features: dict | None = None) -> RestoreRun:
     """criu restore of the snapshot in DIRECTORY, detached, in the background: the restored init becomes our
     child (we are its subreaper). CRIU undoes a restore that fails. KERNEL_FEATURES: the snapshot's record of
-    them, offered to criu (snapshots/kernel_features.py)."""
+    the kernel's features, offered to criu (snapshots/kernel_features.py)."""
     return RestoreRun(criu.path, directory / IMAGES, [*CRIU_OPTIONS, *extra], kernel_features)
 
 

@@ -64,8 +64,8 @@ class RestoreRun:
     is made a subreaper before CRIU starts. With LAZY_OPTIONS, `lazy_pages` is the pid of the daemon that
     fills the restored memory in after `wait()`: whoever supervises the restored process watches it. A
     daemon that cannot start (a kernel without userfaultfd) leaves a plain restore, and its reason in
-    `lazy_refused`. KERNEL_FEATURES: the snapshot's record of them, offered to criu while it restores
-    (snapshots/kernel_features.py)."""
+    `lazy_refused`. KERNEL_FEATURES: the snapshot's record of the kernel's features, offered to criu while it
+    restores (snapshots/kernel_features.py)."""
 
     def __init__(self, criu_path: str, images: str | os.PathLike, options: Sequence[str],
                  kernel_features: Mapping | None = None) -> None:
