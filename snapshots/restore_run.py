@@ -80,12 +80,12 @@ class RestoreRun:
         self.lazy_refused: str | None = None
         self.started = time.time()
         #: whether criu was handed the snapshot's record of the kernel's features (else it probed them)
-        self.features_offered = self._offered = False
+        self.features_offered = False
         try:
             if kernel_features:
                 from snapshots import kernel_features as features
 
-                self.features_offered = self._offered = features.offer(kernel_features)
+                self.features_offered = features.offer(kernel_features)
             restore = [o for o in self.options if o not in LAZY_OPTIONS]
             if LAZY_OPTIONS[0] in self.options:
                 self.lazy_pages = self._start_lazy_pages()
@@ -156,12 +156,12 @@ class RestoreRun:
         return self._outcome
 
     def _withdraw(self) -> None:
-        """criu has read the record of kernel features it was offered by now: no later criu run finds it."""
-        if self._offered:
+        """criu has read the record of kernel features it was offered by now: no later criu run finds it (again
+        after a second wait, a no-op: the link is gone)."""
+        if self.features_offered:
             from snapshots import kernel_features
 
             kernel_features.withdraw()
-            self._offered = False
 
     def _finish(self, timeout: float) -> tuple[int, float]:
         status = self._wait_exit(timeout)
