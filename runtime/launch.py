@@ -55,10 +55,11 @@ def build_engine(model_dir: Path, config: EngineConfig, timeline: Timeline | Non
 
         return Engine.build(model_dir, hf_dir_loader(Path(model_dir)), config, timeline, model_name)
     settings = settings or Settings.from_env()
-    return Engine.build(model_dir, *_layout_loader(Path(model_dir), config, timeline, settings), model_name)
+    loader, config = _layout_loader(Path(model_dir), config, settings)
+    return Engine.build(model_dir, loader, config, timeline, model_name)
 
 
-def _layout_loader(layout_dir: Path, config: EngineConfig, timeline: Timeline | None, settings: Settings):
+def _layout_loader(layout_dir: Path, config: EngineConfig, settings: Settings):
     import dataclasses
 
     from runtime.weights.loader import LayoutLoader
@@ -66,8 +67,7 @@ def _layout_loader(layout_dir: Path, config: EngineConfig, timeline: Timeline | 
     from runtime.weights.sources import ORIGIN
 
     cache = disk_cache(settings.cache_dir, settings.cache_max_gb) if (layout_dir / ORIGIN).is_file() else None
-    timeline = timeline or Timeline()
-    loader = LayoutLoader(layout_dir, timeline=timeline, cache=cache)
+    loader = LayoutLoader(layout_dir, cache=cache)
     if settings.dtype == "auto":  # a layout holds one dtype: auto means that one
         config = dataclasses.replace(config, dtype=loader.manifest.dtype)
-    return loader, config, timeline
+    return loader, config

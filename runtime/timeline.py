@@ -8,6 +8,7 @@ be recorded from any thread.
 from __future__ import annotations
 
 import os
+import resource
 import threading
 import time
 from contextlib import contextmanager
@@ -45,6 +46,24 @@ class Stage:
     @property
     def seconds(self) -> float:
         return (self.end if self.end is not None else time.time()) - self.start
+
+
+@contextmanager
+def thread_usage(detail: dict[str, Any], prefix: str) -> Iterator[None]:
+    """Add to DETAIL what the calling thread did inside the block: PREFIX_cpu_s (user and system time, page
+    faults included), PREFIX_system_s (of it, in the kernel), PREFIX_faults (minor page faults), PREFIX_waits
+    (times it blocked) and PREFIX_preempted (times the scheduler took the core away). Wall time well above the
+    CPU time is time spent waiting."""
+    before = resource.getrusage(resource.RUSAGE_THREAD)
+    try:
+        yield
+    finally:
+        after = resource.getrusage(resource.RUSAGE_THREAD)
+        detail[f"{prefix}_cpu_s"] = round(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, 4)
+        detail[f"{prefix}_system_s"] = round(after.ru_stime - before.ru_stime, 4)
+        detail[f"{prefix}_faults"] = after.ru_minflt - before.ru_minflt
+        detail[f"{prefix}_waits"] = after.ru_nvcsw - before.ru_nvcsw
+        detail[f"{prefix}_preempted"] = after.ru_nivcsw - before.ru_nivcsw
 
 
 def process_start_time(pid: int | None = None) -> float:

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 DRIVER = r"""
-import ctypes, json, sys, time
+import ctypes, json, resource, sys, time
 if {torch}:
     import torch
 t0 = time.perf_counter()
@@ -27,15 +27,19 @@ cu = ctypes.CDLL("libcuda.so.1")
 t1 = time.perf_counter()
 assert cu.cuInit(0) == 0
 t2 = time.perf_counter()
+u0 = resource.getrusage(resource.RUSAGE_THREAD)
 dev, ctx = ctypes.c_int(), ctypes.c_void_p()
 assert cu.cuDeviceGet(ctypes.byref(dev), 0) == 0
 assert cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) == 0
 t3 = time.perf_counter()
+u1 = resource.getrusage(resource.RUSAGE_THREAD)
 assert cu.cuCtxSetCurrent(ctx) == 0
 ptr = ctypes.c_uint64()
 assert cu.cuMemAlloc_v2(ctypes.byref(ptr), 1 << 20) == 0
 t4 = time.perf_counter()
-print(json.dumps({{"dlopen_s": t1 - t0, "cuinit_s": t2 - t1, "context_s": t3 - t2, "first_alloc_s": t4 - t3}}))
+print(json.dumps({{"dlopen_s": t1 - t0, "cuinit_s": t2 - t1, "context_s": t3 - t2, "first_alloc_s": t4 - t3,
+                  "context_cpu_s": u1.ru_utime + u1.ru_stime - u0.ru_utime - u0.ru_stime,
+                  "context_faults": u1.ru_minflt - u0.ru_minflt, "context_waits": u1.ru_nvcsw - u0.ru_nvcsw}}))
 """
 
 TORCH = r"""
@@ -125,7 +129,8 @@ def main() -> None:
                                                                    inter=args.inter), args.repeat),
     }
     for key in (k for k in result if k not in ("date", "command")):
-        print(f"{key:<48} " + "  ".join(f"{k} {v * 1e3:.1f} ms" for k, v in result[key]["median"].items()))
+        print(f"{key:<48} " + "  ".join(f"{k} {v * 1e3:.1f} ms" if k.endswith("_s") else f"{k} {v:g}"
+                                         for k, v in result[key]["median"].items()))
     args.out.write_text(json.dumps(result, indent=2))
 
 

@@ -19,6 +19,8 @@ from safetensors.torch import load_file, save_file
 
 from runtime.engine.model_config import ModelConfig
 from runtime.engine.weight_plan import plan_weights
+from runtime.launch import build_engine, engine_config
+from runtime.timeline import Timeline
 from runtime.weights.errors import WeightsError
 from runtime.weights.hf_dir import hf_dir_loader
 from runtime.weights.layout import write_layout
@@ -147,6 +149,21 @@ def test_greedy_text_is_the_same_from_the_hf_dir_and_the_layout(tiny_model, loca
     engine = start(str(local_layout), settings)
     assert engine.timeline.get("weights").detail["tiers"]["disk"]["bytes"] == Manifest.read(local_layout).total_bytes
     assert greedy(engine) == from_hf
+
+
+def test_the_weights_stage_says_how_the_load_went_on_the_timeline_the_engine_has_at_start(local_layout, tmp_path):
+    # a restored process snapshot gives its engine the instance's timeline after the engine was built
+    settings = cpu_settings(tmp_path)
+    engine = build_engine(local_layout, engine_config(settings), None, "m", settings)
+    engine.timeline = Timeline()
+    engine.start()
+    try:
+        weights = engine.timeline.get("weights")
+        assert weights.detail["tiers"]["disk"]["bytes"] == Manifest.read(local_layout).total_bytes
+        assert weights.detail["verified"] == "host" and weights.detail["reads"] in ("native", "python")
+        assert 0 < weights.detail["first_landed_s"] <= weights.seconds
+    finally:
+        engine.shutdown()
 
 
 def test_a_layout_for_another_dtype_is_refused_by_name(local_layout, tmp_path):

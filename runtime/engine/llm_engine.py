@@ -44,7 +44,7 @@ from runtime.engine.sequence import PENDING, Sequence
 from runtime.engine.tokenizer import Tokenizer
 from runtime.engine.weight_plan import WeightPlan, plan_weights
 from runtime.logs import get_logger
-from runtime.timeline import Timeline
+from runtime.timeline import Timeline, thread_usage
 
 log = get_logger("engine")
 
@@ -187,8 +187,10 @@ class Engine:
             detail: dict = {}
             if device.type == "cuda":
                 if ahead:  # the context's creation without the GIL: the thread that called this goes on
-                    create_primary_context(device.index or 0)
-                    detail = {"ahead": True, "context_s": round(time.time() - started, 4)}
+                    detail["ahead"] = True
+                    with thread_usage(detail, "context"):
+                        create_primary_context(device.index or 0)
+                    detail["context_s"] = round(time.time() - started, 4)
                 torch_started = time.time()
                 use_device(device)
                 torch.cuda.init()
@@ -258,6 +260,8 @@ class Engine:
                 if beside:
                     self._prepare_graphs(runner, graph_restorer)
                 load.wait()
+                if hasattr(load, "detail"):  # the layout loader's rates and ramp (runtime/weights/loader.py)
+                    weights_stage.detail.update(load.detail())
                 if device.type == "cpu" and self.config.cpu_packed_weights:
                     packed = pack_linears(self.model)
                     weights_stage.detail.update(packed)

@@ -31,10 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from runtime import timeline as stages
 from runtime.engine.weight_plan import WeightPlan
 from runtime.logs import get_logger
-from runtime.timeline import Timeline
 from runtime.weights.cache import DiskCache
 from runtime.weights.errors import WeightsError
 from runtime.weights.manifest import FileEntry, Manifest, check_model_files, chunk_hasher
@@ -133,7 +131,7 @@ class WeightStream:
     """One load in flight: the object `LoadWeights` returns."""
 
     def __init__(self, manifest: Manifest, sources: list, sink: "Sink", options: LoaderOptions,
-                 where: str, timeline: Timeline | None = None, only: frozenset[int] | None = None) -> None:
+                 where: str, only: frozenset[int] | None = None) -> None:
         """SINK: where the bytes go (runtime/weights/sinks.py); ONLY: the chunks to load (layout_chunks
         indices), None for all."""
         self.manifest = manifest
@@ -142,7 +140,6 @@ class WeightStream:
         self.sink = sink
         self.options = options
         self.where = where
-        self.timeline = timeline
         self.chunks = layout_chunks(manifest)
         self._starts = [c.buffer_offset for c in self.chunks]
         self._landed = [threading.Event() for _ in self.chunks]
@@ -158,6 +155,8 @@ class WeightStream:
         self._stats: dict[str, TierStats] = {}
         self._lock = threading.Lock()
         self._finished = False
+        self._first_landed: float | None = None
+        self._ring_s = 0.0  # the longest a reader took to pin its ring: before its first read
         self.started = time.time()
         self._readers = READERS.run(self._reader, options.reader_threads(self._todo.qsize()))
 
@@ -221,6 +220,13 @@ class WeightStream:
     def tier_stats(self) -> dict[str, dict]:
         return {tier: s.as_detail() for tier, s in self._stats.items()}
 
+    def detail(self) -> dict:
+        """For the weights stage: each tier's bytes and rate, how chunks were verified and read, how long
+        after the load began its first chunk landed, and the longest a reader took to pin its ring."""
+        first = None if self._first_landed is None else round(self._first_landed - self.started, 4)
+        return {"tiers": self.tier_stats(), "verified": self.verified, "reads": self.reads,
+                "first_landed_s": first, "ring_s": round(self._ring_s, 4)}
+
     # -- the readers -------------------------------------------------------------------------------
 
     def _reader(self) -> None:
@@ -237,6 +243,8 @@ class WeightStream:
                     self._load_pieces(i, offsets, writer)
             finally:
                 writer.close()  # its copies have left its slots: they may be reused
+                with self._lock:
+                    self._ring_s = max(self._ring_s, getattr(writer, "ring_s", 0.0))
         except BaseException as exc:  # noqa: BLE001 - handed to wait()
             with self._lock:
                 self._error = self._error or exc
@@ -266,6 +274,8 @@ class WeightStream:
                     self._copied[i].append(event)
             self._pieces_left[i] -= len(offsets)
             landed = self._pieces_left[i] == 0
+            if landed and self._first_landed is None:
+                self._first_landed = time.time()
             self._stats.setdefault(source.tier, TierStats()).add(nbytes, start, time.time())
         if not landed:
             return
@@ -305,29 +315,22 @@ class WeightStream:
             raise WeightsError(f"{self.where}: {type(self._error).__name__}: {self._error}") from self._error
 
     def _report(self) -> None:
-        tiers = self.tier_stats()
         seconds = time.time() - self.started
         total = self.bytes
         log.info("weights: %.2f GiB in %.3fs (%.2f GiB/s, verified: %s, reads: %s) %s", total / 2**30, seconds,
                  total / max(seconds, 1e-9) / 2**30, self.verified, self.reads,
-                 " ".join(f"{k}={v['gib_s']}GiB/s" for k, v in tiers.items()))
-        stage = self.timeline.get(stages.WEIGHTS) if self.timeline else None
-        if stage is not None:
-            stage.detail["tiers"] = tiers
-            stage.detail["verified"] = self.verified
-            stage.detail["reads"] = self.reads
+                 " ".join(f"{k}={v['gib_s']}GiB/s" for k, v in self.tier_stats().items()))
 
 
 def stream_layout(manifest: Manifest, sources: list, plan: WeightPlan, buffer: "torch.Tensor",
-                  options: LoaderOptions, where: str, timeline: Timeline | None = None,
-                  only: frozenset[int] | None = None) -> WeightStream:
+                  options: LoaderOptions, where: str, only: frozenset[int] | None = None) -> WeightStream:
     from runtime.weights.sinks import HostSink, TorchCudaSink
 
     check_plan(manifest, plan, where)
     if buffer.numel() < manifest.total_bytes:
         raise WeightsError(f"{where}: weight buffer of {buffer.numel()} bytes, the layout has {manifest.total_bytes}")
     sink = TorchCudaSink(buffer) if buffer.device.type == "cuda" else HostSink(buffer)
-    return WeightStream(manifest, sources, sink, options, where, timeline, only)
+    return WeightStream(manifest, sources, sink, options, where, only)
 
 
 class LayoutLoader:
@@ -335,14 +338,13 @@ class LayoutLoader:
     layout's origin (origin.json: the s3:// prefix it was cached from), filling `cache` on the way. The
     manifest is read once, here: the engine takes its dtype from it before the load."""
 
-    def __init__(self, layout_dir: Path, options: LoaderOptions | None = None, timeline: Timeline | None = None,
-                 cache: DiskCache | None = None, store: S3Store | None = None) -> None:
+    def __init__(self, layout_dir: Path, options: LoaderOptions | None = None, cache: DiskCache | None = None,
+                 store: S3Store | None = None) -> None:
         self.layout_dir = Path(layout_dir)
         self.manifest = Manifest.read(self.layout_dir)
         check_model_files(self.layout_dir, self.manifest)  # before the engine reads its config and tokenizer
         self.options = options or LoaderOptions()
         READERS.start(readers_for(self.manifest, self.options))  # off the load's path
-        self.timeline = timeline
         self.cache = cache
         self.store = store
 
@@ -362,8 +364,7 @@ class LayoutLoader:
         if any(source.tier == "s3" for source in sources):  # S3 settings: GETs in flight and their size
             options = dataclasses.replace(options, threads=s3.options.concurrency, read_bytes=s3.options.part_bytes)
         try:
-            timeline = self.timeline if only is None else None  # a partial load is not the start's weights stage
-            return stream_layout(self.manifest, sources, plan, buffer, options, str(self.layout_dir), timeline, only)
+            return stream_layout(self.manifest, sources, plan, buffer, options, str(self.layout_dir), only)
         except BaseException:
             for source in sources:
                 source.close(False)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import time
 from typing import TYPE_CHECKING, Protocol
 
 from runtime.cuda_driver import call
@@ -145,8 +146,9 @@ class _TorchCudaWriter:
     """Pinned slots from torch's host allocator, each copied to the GPU on the writer's stream through the
     driver API, with one event per slot, recorded again for each piece it carries. Through torch (a tensor
     view, `copy_`, a new `torch.cuda.Event` and a stream context per piece) each piece held the GIL longer, and
-    the loader was slower from the page cache. A piece's event, once recorded again, marks a later copy on the same stream, so waiting on it
-    still waits for the piece. The native reader has a ring of its own, of `ring_slot_bytes` slots (0: none)."""
+    the loader was slower from the page cache. A piece's event, once recorded again, marks a later copy on the
+    same stream, so waiting on it still waits for the piece. The native reader has a ring of its own, of
+    `ring_slot_bytes` slots (0: none)."""
 
     def __init__(self, sink: TorchCudaSink, slot_bytes: int, slots: int, ring_slot_bytes: int) -> None:
         import torch
@@ -168,13 +170,16 @@ class _TorchCudaWriter:
         self._ring_shape = (slots, ring_slot_bytes)
         self._ring = None  # made on the first piece read natively
         self._ring_events: list = []
+        self.ring_s = 0.0  # pinning the ring took
 
     def read_from(self, source, offset: int, dst: int, n: int) -> object:
         if not self._ring_shape[1] or source.tier != "disk":
             return read_staged(self, source, offset, dst, n)
         check_bounds(dst, n, self._end - self._base)
         if self._ring is None:
+            started = time.time()
             self._ring = self._make_ring(*self._ring_shape)
+            self.ring_s = time.time() - started
         native().read_to_device(source, offset, n, self._base + dst, self._ring)
         return self._ring_events[self._ring.last]
 
