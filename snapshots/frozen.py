@@ -143,9 +143,7 @@ def start_device_phase(engine, channel: socket.socket | None) -> thawed.WeightHa
     """A restored process snapshot: its CUDA context is made from now on, on a thread, while the bootstrap
     runs again (the context alone took 0.27-0.35 s on the H100); the weights, if CHANNEL came, are being
     streamed by the helper the bootstrap started before the restore. Returns what `Engine.start` adopts."""
-    if engine.config.on_cuda and os.environ.get("THAWLLM_EXP_CONTEXT_ALONE"):
-        engine.init_device(True)
-    elif engine.config.on_cuda:
+    if engine.config.on_cuda:
         import threading
 
         threading.Thread(target=engine.init_device, args=(True,), name="cuda-init", daemon=True).start()

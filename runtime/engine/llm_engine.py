@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import queue
-import os
 import threading
 import time
 import uuid
@@ -197,10 +196,6 @@ class Engine:
                 torch.cuda.init()
                 torch.empty(1, device=device)
                 detail["torch_s"] = round(time.time() - torch_started, 4)
-                if ahead and os.environ.get("THAWLLM_EXP_RINGS_ON_CONTEXT"):
-                    rings_started = time.time()
-                    pin_rings()
-                    detail["exp_rings_s"] = round(time.time() - rings_started, 4)
             else:
                 torch.set_num_threads(self.config.cpu_threads or cpu_threads())
             self._device_span = (started, time.time(), detail)
@@ -244,10 +239,6 @@ class Engine:
         if materialized:  # sized already: allocated before the weight readers pin their buffers and fill the
             # copy engines, which stretched this 0.02-0.03 s stage to 0.2-0.5 s when the two overlapped (H100)
             kv_blocks = self._allocate_kv(runner, kv_blocks, releasable_memory, before_kv, rope)
-        exp_rings = None
-        if os.environ.get("THAWLLM_EXP_RINGS_AHEAD") and device.type == "cuda":
-            exp_rings = threading.Thread(target=self._pin_rings_ahead, args=(device,), name="exp-rings")
-            exp_rings.start()
         if graphs_first:
             self._prepare_graphs(runner, graph_restorer)
         beside = materialized and graphs and not graphs_first  # no weight values needed: beside the stream
@@ -264,10 +255,6 @@ class Engine:
             started, finished, detail = arrived
             t.record(stages.WEIGHTS, started, finished, **detail, waited_s=round(time.time() - waited, 4))
         else:
-            if exp_rings is not None:
-                waited = time.time()
-                exp_rings.join()
-                t.record("exp_rings", *self._exp_rings_s, waited_s=round(time.time() - waited, 4))
             with t.stage(stages.WEIGHTS, bytes=self.plan.total_bytes) as weights_stage:  # ended even if it fails
                 load = self._load_weights(self.plan, buffer)
                 if beside:
@@ -295,12 +282,6 @@ class Engine:
             self._graphs_thread = threading.Thread(target=self._restore_pending_graphs, args=(graph_restorer,),
                                                    name="graphs-after-ready", daemon=True)
             self._graphs_thread.start()
-
-    def _pin_rings_ahead(self, device) -> None:
-        started = time.time()
-        use_device(device)
-        pin_rings()
-        self._exp_rings_s = (started, time.time())
 
     def _weight_buffer(self, runner: ModelRunner, releasable: bool, handover: WeightHandover | None,
                        ) -> tuple[torch.Tensor, bool]:
@@ -661,13 +642,6 @@ class Engine:
         self.scheduler.finish(request.seq, "abort")
         self.sampler.forget(request_id)
         _deliver(request, exc if isinstance(exc, RequestCut) else RuntimeError(f"generation failed: {exc}"))
-
-
-def pin_rings() -> None:
-    """The loader's rings (16 readers' two 4 MiB slots), pinned and handed back to torch's host cache, where
-    the readers find them."""
-    rings = [torch.empty(8 << 20, dtype=torch.uint8, pin_memory=True) for _ in range(min(16, os.cpu_count() or 4))]
-    del rings
 
 
 def _deliver(request: _Request, item: RequestOutput | BaseException) -> None:

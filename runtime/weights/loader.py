@@ -361,8 +361,6 @@ class LayoutLoader:
         s3 = self.store or S3Store()  # boto3 is imported only if a file is streamed from S3
         sources = open_sources(self.layout_dir, self.manifest, self.cache, s3)
         options = self.options
-        if os.environ.get("THAWLLM_EXP_SLOT_MIB"):
-            options = dataclasses.replace(options, native_slot_bytes=int(os.environ["THAWLLM_EXP_SLOT_MIB"]) * MiB)
         if any(source.tier == "s3" for source in sources):  # S3 settings: GETs in flight and their size
             options = dataclasses.replace(options, threads=s3.options.concurrency, read_bytes=s3.options.part_bytes)
         try:
