@@ -2,9 +2,10 @@
 
 Hashing on the host costs the loader a second pass over every byte (or, hashed in small windows while they
 are in cache, sixteen times as many reads, each a hand-over of the GIL): either way the host's hashing, not
-the read, bounded a verified load from the page cache on the H100 machine. The GPU reads 15 GiB of landed weights in a few milliseconds, so a load from local files into a
-CUDA buffer is verified there: the layout records this checksum beside its host hash (manifest
-`device_sums`), faas-build computes it with `chunk_sum` below, and the loader with `DeviceCheck`.
+the read, bounded a verified load from the page cache on the H100 machine. The GPU reads 15 GiB of landed
+weights in a few milliseconds, so a load from local files into a CUDA buffer is verified there: the layout
+records this checksum beside its host hash (manifest `device_sums`), faas-build computes it with `chunk_sum`
+below, and the loader with `DeviceCheck`.
 
 The checksum of a chunk: its bytes as little-endian 32-bit words w_i (the last one zero-padded), and
 

@@ -244,7 +244,7 @@ class WeightStream:
             finally:
                 writer.close()  # its copies have left its slots: they may be reused
                 with self._lock:
-                    self._ring_s = max(self._ring_s, getattr(writer, "ring_s", 0.0))
+                    self._ring_s = max(self._ring_s, writer.ring_s)
         except BaseException as exc:  # noqa: BLE001 - handed to wait()
             with self._lock:
                 self._error = self._error or exc

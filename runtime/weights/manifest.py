@@ -6,10 +6,10 @@ chunks, so a loader verifies a chunk the moment it has read it.
 
 The chunk hash is xxh3-128 by default, a non-cryptographic checksum: it catches what verification is for
 (a bad disk, a truncated or damaged download, a file changed after the build) at memory speed, several
-times faster than blake3 or sha256 on the same cores; a load that verifies with those is CPU-bound. It does not stop someone who can rewrite
-both the files and the manifest; neither does a cryptographic chunk hash stored beside them, unless the
-manifest itself is signed. `blake3` and `sha256` remain for stores that want a cryptographic digest. The
-manifest names its hash, so a layout built with any of HASHES keeps loading.
+times faster than blake3 or sha256 on the same cores; a load that verifies with those is CPU-bound. It does
+not stop someone who can rewrite both the files and the manifest; neither does a cryptographic chunk hash
+stored beside them, unless the manifest itself is signed. `blake3` and `sha256` remain for stores that want a
+cryptographic digest. The manifest names its hash, so a layout built with any of HASHES keeps loading.
 """
 
 from __future__ import annotations

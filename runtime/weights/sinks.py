@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 
 
 class Writer(Protocol):
+    ring_s: float  # seconds its native reads' pinned ring took to make (0: none)
+
     def read_from(self, source, offset: int, dst: int, n: int) -> object | None: ...
     def slot(self, dst: int, n: int) -> memoryview: ...
     def commit(self, dst: int, n: int) -> object | None: ...
@@ -74,6 +76,8 @@ class HostSink:
 
 
 class _HostWriter:
+    ring_s = 0.0  # no ring: the pieces are read into the buffer
+
     def __init__(self, host: memoryview, native_address: int | None) -> None:
         self._host = host
         self._native_address = native_address  # where the native reader writes the buffer; None: from Python
@@ -170,7 +174,7 @@ class _TorchCudaWriter:
         self._ring_shape = (slots, ring_slot_bytes)
         self._ring = None  # made on the first piece read natively
         self._ring_events: list = []
-        self.ring_s = 0.0  # pinning the ring took
+        self.ring_s = 0.0
 
     def read_from(self, source, offset: int, dst: int, n: int) -> object:
         if not self._ring_shape[1] or source.tier != "disk":
@@ -244,6 +248,8 @@ class DriverSink:
 
 
 class _DriverWriter:
+    ring_s = 0.0  # read from Python into slots pinned when the writer is made
+
     def __init__(self, sink: DriverSink, slot_bytes: int, slots: int) -> None:
         from cuda.bindings import driver
 
