@@ -2,8 +2,11 @@
 first cuBLAS product and torch kernels a first prefill runs, each in fresh processes, median of --repeat.
 
 A restored process snapshot holds no CUDA state (docs/snapshots.md), so it pays all of this after the
-restore: this probe says which part is which, and whether a context another process holds (a restore
-helper's) makes a new one cheaper.
+restore: this probe says which part is which, whether a context another process holds (a restore
+helper's) makes a new one cheaper, and whether a process that has just written a heap the size of the
+runtime's image into fresh memory (what CRIU's restore does) makes its context more slowly. For each context:
+its thread's CPU time and the part in the kernel, its page faults and waits, and how much resident memory
+it added.
 
     python scripts/probe_cuda_start.py --repeat 5 --out cuda-start-h100.json
 """
@@ -19,27 +22,35 @@ import time
 from pathlib import Path
 
 DRIVER = r"""
-import ctypes, json, resource, sys, time
+import ctypes, json, mmap, os, resource, sys, time
 if {torch}:
     import torch
+if {heap_mib}:
+    heap = mmap.mmap(-1, {heap_mib} << 20)
+    for page in range(0, {heap_mib} << 20, mmap.PAGESIZE):
+        heap[page] = 1
+def resident_mib():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * mmap.PAGESIZE / 2**20
 t0 = time.perf_counter()
 cu = ctypes.CDLL("libcuda.so.1")
 t1 = time.perf_counter()
 assert cu.cuInit(0) == 0
 t2 = time.perf_counter()
-u0 = resource.getrusage(resource.RUSAGE_THREAD)
+u0, r0 = resource.getrusage(resource.RUSAGE_THREAD), resident_mib()
 dev, ctx = ctypes.c_int(), ctypes.c_void_p()
 assert cu.cuDeviceGet(ctypes.byref(dev), 0) == 0
 assert cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) == 0
 t3 = time.perf_counter()
-u1 = resource.getrusage(resource.RUSAGE_THREAD)
+u1, r1 = resource.getrusage(resource.RUSAGE_THREAD), resident_mib()
 assert cu.cuCtxSetCurrent(ctx) == 0
 ptr = ctypes.c_uint64()
 assert cu.cuMemAlloc_v2(ctypes.byref(ptr), 1 << 20) == 0
 t4 = time.perf_counter()
 print(json.dumps({{"dlopen_s": t1 - t0, "cuinit_s": t2 - t1, "context_s": t3 - t2, "first_alloc_s": t4 - t3,
                   "context_cpu_s": u1.ru_utime + u1.ru_stime - u0.ru_utime - u0.ru_stime,
-                  "context_faults": u1.ru_minflt - u0.ru_minflt, "context_waits": u1.ru_nvcsw - u0.ru_nvcsw}}))
+                  "context_system_s": u1.ru_stime - u0.ru_stime, "context_faults": u1.ru_minflt - u0.ru_minflt,
+                  "context_waits": u1.ru_nvcsw - u0.ru_nvcsw, "context_resident_mib": r1 - r0}}))
 """
 
 TORCH = r"""
@@ -73,6 +84,11 @@ if {context}:
 print("held", flush=True)
 sys.stdin.read()
 """
+
+
+def driver(torch: bool, heap_mib: int = 0) -> str:
+    """The driver probe's code: after importing torch or not, and after writing HEAP_MIB of fresh memory."""
+    return DRIVER.format(torch=torch, heap_mib=heap_mib)
 
 
 def run(code: str) -> dict:
@@ -112,19 +128,23 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1536, help="the first prefill's product: [161, hidden]")
     parser.add_argument("--qkv", type=int, default=2048)
     parser.add_argument("--inter", type=int, default=17920)
+    parser.add_argument("--heap-mib", type=int, default=293,
+                        help="fresh memory written before the context in one arm: the process image's size")
     parser.add_argument("--out", type=Path, default=Path("cuda-start.json"))
     args = parser.parse_args()
     result = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "command": sys.argv,
-        "driver": measure("driver", DRIVER.format(torch=False), args.repeat),
-        "driver_after_torch_import": measure("driver after import torch", DRIVER.format(torch=True), args.repeat),
+        "driver": measure("driver", driver(torch=False), args.repeat),
+        "driver_after_torch_import": measure("driver after import torch", driver(torch=True), args.repeat),
+        "driver_after_torch_import_and_a_written_heap": measure(
+            f"driver after import torch and {args.heap_mib} MiB written", driver(True, args.heap_mib), args.repeat),
         "driver_beside_a_held_context": beside_another_process(
-            "driver beside a held context", DRIVER.format(torch=False), True, args.repeat),
+            "driver beside a held context", driver(torch=False), True, args.repeat),
         "driver_after_torch_import_beside_a_held_context": beside_another_process(
-            "driver after import torch beside a held context", DRIVER.format(torch=True), True, args.repeat),
+            "driver after import torch beside a held context", driver(torch=True), True, args.repeat),
         "driver_beside_a_process_after_cuinit": beside_another_process(
-            "driver beside a process that ran cuInit only", DRIVER.format(torch=False), False, args.repeat),
+            "driver beside a process that ran cuInit only", driver(torch=False), False, args.repeat),
         "torch_first_ops": measure("torch first ops", TORCH.format(hidden=args.hidden, qkv=args.qkv,
                                                                    inter=args.inter), args.repeat),
     }
