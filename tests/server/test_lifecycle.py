@@ -13,7 +13,7 @@ import orjson
 import pytest
 
 from runtime.bench.instance import entry_command
-from tests.server.conftest import REPO, bootstrap_command, server_env, start_server
+from tests.server.conftest import API_KEY, REPO, bootstrap_command, server_env, start_server
 
 
 @pytest.mark.parametrize("argv, env, message", [
@@ -145,6 +145,22 @@ def test_context_longer_than_the_model_exits_2_with_one_line(tiny_model_dir, tmp
     lines = [line for line in server.log().splitlines() if line.startswith("faas-bootstrap: ")]
     assert lines == ["faas-bootstrap: MAX_MODEL_LEN=100000: must be at most the model's context, 4096 positions"]
     assert "Traceback" not in server.log()
+
+
+def test_a_starting_server_listens_and_says_it_is_not_ready(tmp_path):
+    """The server listens before the engine is ready; here the embedded GGUF model is still being imported
+    into an empty cache, seconds on a CPU. Meanwhile /health answers 503 `starting` (a readiness probe waits)
+    and the API a 503 error object; once the engine is ready, both answer 200."""
+    server = start_server(tmp_path, "starting", CACHE_DIR=str(tmp_path / "cache"), API_KEY=API_KEY)
+    try:
+        server.wait_ready(timeout=180)
+        health, models = server.early[0], server.early[1]
+        assert health.status == 503 and health.body["status"] == "starting" and health.body["restore_path"] is None
+        assert models.status == 503 and models.body["error"]["code"] == "not_ready"
+        ready = httpx.get(f"{server.url}/v1/models", headers={"Authorization": f"Bearer {API_KEY}"})
+        assert ready.status_code == 200 and len(ready.json()["data"]) == 1
+    finally:
+        server.stop()
 
 
 def test_custom_handler(tiny_model_dir, tmp_path):

@@ -300,17 +300,6 @@ def test_health_reports_the_cold_start(server, http: httpx.Client):
     assert "cold-start timeline" in server.log()  # the table printed at ready
 
 
-def test_not_ready_while_starting(server):
-    """The server listened before the engine was ready: health said 503, the API a 503 error object."""
-    if len(server.early) < 2:  # the listener answered only once the engine was ready: nothing to observe
-        pytest.skip("the engine was ready before the probes could see it starting")
-    health, models = server.early[0], server.early[1]
-    assert health.status == 503 and health.body["status"] == "starting" and health.body["restore_path"] is None
-    if models.status == 200:
-        pytest.skip("the engine became ready between the /health and the /v1/models probe")
-    assert models.status == 503 and models.body["error"]["code"] == "not_ready"
-
-
 def test_metrics(client: openai.OpenAI, http: httpx.Client):
     before = metrics(http)
     client.chat.completions.create(model="tiny-llama", messages=CHAT, max_tokens=6, **GREEDY)
