@@ -226,9 +226,10 @@ def main(argv: list[str] | None = None) -> int:
         r.close()
     result = {"model": SERVED_NAME, "gguf": embedded_gguf_path().name, "machine": machine(),
               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "command": " ".join(sys.argv),
-              "load_average_1m": {"before": load_before[0], "after": os.getloadavg()[0]}, "repeat": args.repeat, "generated_tokens": GENERATED, "decode_prompt_tokens": DECODE_PROMPT,
-              "decode_steps": args.steps,
-              "median": {name: {k: statistics.median(v) for k, v in values.items()} for name, values in figures.items()},
+              "load_average_1m": {"before": load_before[0], "after": os.getloadavg()[0]}, "repeat": args.repeat,
+              "generated_tokens": GENERATED, "decode_prompt_tokens": DECODE_PROMPT, "decode_steps": args.steps,
+              "median": {name: {k: statistics.median(v) for k, v in values.items()}
+                         for name, values in figures.items()},
               "runs": figures, "thawllm_start": starts}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

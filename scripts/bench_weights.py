@@ -345,8 +345,8 @@ def table(results: list[dict]) -> str:
         "the same, read from Python; host: "
         "hashed on the host with each chunk hash, piece by piece; window: host "
         f"{DEFAULT_HASH} in 1 MiB windows as each piece is read; no hash: unverified (warm); loader/read: warm "
-        "loader against min(16-thread read, pinned copy); per round: median of loader/read over the rounds taken in turns, warm "
-        "and cold)")
+        "loader against min(16-thread read, pinned copy); per round: median of loader/read over the rounds taken in "
+        "turns, warm and cold)")
 
 
 def main() -> None:
@@ -361,7 +361,8 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--sweep", action="store_true", help="also the loader over threads x read size x slots")
     p.add_argument("--no-cold", action="store_true")
-    p.add_argument("--cold-repeat", type=int, default=3, help="cold rounds of the parallel read and the loaders, in turns")
+    p.add_argument("--cold-repeat", type=int, default=3,
+                   help="cold rounds of the parallel read and the loaders, in turns")
     p.add_argument("--no-transformers", action="store_true")
     others = [h for h in HASHES if h != DEFAULT_HASH]
     p.add_argument("--compare-hashes", nargs="*", default=others, choices=others, metavar="HASH",

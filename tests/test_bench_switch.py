@@ -95,7 +95,8 @@ def test_switch_smoke_on_cpu(tmp_path):
     out = tmp_path / "out"
     done = faas_bench("switch", "--device", "cpu", "--shapes", "tiny:3", "--models-dir", str(tmp_path / "models"),
                       "--chunk-mb", "1", "--rates", "4", "--duration", "2", "--length-scale", "0.02", "--max-len",
-                      "128", "--idle-timeout", "2", "--timeout", "180", "--gpus", "2", "--fresh-modes", "process,cold", "--out", str(out),
+                      "128", "--idle-timeout", "2", "--timeout", "180", "--gpus", "2", "--fresh-modes", "process,cold",
+                      "--out", str(out),
                       timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     latency = json.loads((out / "switch-latency.json").read_text())

@@ -144,7 +144,8 @@ def _parser() -> argparse.ArgumentParser:
                           description="Start a fresh server per mode and repetition; time spawn -> first token.")
     cold.add_argument("--modes", type=_modes(ALL_MODES + tuple(VARIANTS)), default=ALL_MODES,
                       help=f"comma-separated, among {','.join(ALL_MODES + tuple(VARIANTS))} (default: "
-                           f"{','.join(ALL_MODES)}; gpu-after, process-after: gpu, process with WEIGHTS_DURING_RESTORE=0; "
+                           f"{','.join(ALL_MODES)}; gpu-after, process-after: gpu, process with "
+                           "WEIGHTS_DURING_RESTORE=0; "
                            "process-during: process with WEIGHTS_DURING_RESTORE=1; process-unprimed: process with "
                            "PRIME_DRIVER=0; gpu-late, process-late: gpu, process with EARLY_RESTORE=0; "
                            "process-lazy: process with LAZY_PAGES=1; cold-unprefetched, process-unprefetched: cold, "

@@ -256,7 +256,8 @@ def _device_rows(points: list[SystemPoint]) -> list[str]:
     several = [p for p in points if p.status == "ok" and len(p.devices) > 1]
     if not several:
         return []
-    head = ["system", "rate (req/s)", "device", "switches", "streamed (GiB)", "pool peak (GiB)", "GPU memory peak (GiB)"]
+    head = ["system", "rate (req/s)", "device", "switches", "streamed (GiB)", "pool peak (GiB)",
+            "GPU memory peak (GiB)"]
     rows = ["", "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for p in several:
         for device, u in sorted(p.devices.items()):
