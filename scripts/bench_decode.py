@@ -32,16 +32,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from runtime.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
 from runtime.engine.weight_plan import tensor_views  # noqa: E402
+from runtime.weights.hf_dir import CopiedLoad  # noqa: E402
 from scripts.model_shapes import SHAPES, write_config_and_tokenizer  # noqa: E402
 
 HBM_BYTES_PER_S = 3.35e12
 PROMPT_LEN = 128
-
-
-class _Ready:
-    def wait(self) -> None:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
 
 
 def copy_from(state: dict[str, torch.Tensor]):
@@ -50,7 +45,7 @@ def copy_from(state: dict[str, torch.Tensor]):
         for t in plan.tensors:
             for s in t.sources:
                 views[t.name][s.row:s.row + s.rows].copy_(state[s.name])
-        return _Ready()
+        return CopiedLoad()
     return load
 
 

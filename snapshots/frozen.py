@@ -185,8 +185,7 @@ class StreamedWeights:
     def wait(self) -> tuple[float, dict]:
         self._load.wait()
         detail = {"bytes": self._bytes, "after_restore": True, "remap_s": round(self._remap_s, 4)}
-        if hasattr(self._load, "detail"):
-            detail.update(self._load.detail())
+        detail.update(self._load.detail())
         return self.started, detail
 
 

@@ -332,8 +332,7 @@ class HandedOverWeights:
             raise self._error
         if self._fallback is not None:
             self._fallback.wait()
-            if hasattr(self._fallback, "tier_stats"):
-                self._result[1]["tiers"] = self._fallback.tier_stats()
+            self._result[1].update(self._fallback.detail())
         return self._result
 
 

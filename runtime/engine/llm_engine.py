@@ -57,6 +57,7 @@ GRAPHS_STEP_ASIDE_S = 0.5
 
 class WeightLoad(Protocol):
     def wait(self) -> object: ...
+    def detail(self) -> dict: ...  # for the weights stage, once waited for: rates, how it read and verified
 
 
 #: starts filling the flat weight buffer and returns at once (runtime/weights/loader.py provides one)
@@ -260,8 +261,7 @@ class Engine:
                 if beside:
                     self._prepare_graphs(runner, graph_restorer)
                 load.wait()
-                if hasattr(load, "detail"):  # the layout loader's rates and ramp (runtime/weights/loader.py)
-                    weights_stage.detail.update(load.detail())
+                weights_stage.detail.update(load.detail())
                 if device.type == "cpu" and self.config.cpu_packed_weights:
                     packed = pack_linears(self.model)
                     weights_stage.detail.update(packed)

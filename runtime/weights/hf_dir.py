@@ -10,17 +10,22 @@ from safetensors import safe_open
 from runtime.engine.weight_plan import WeightPlan, tensor_views
 
 
-class _Loaded:
+class CopiedLoad:
+    """A load that was done when it was called (its copies may still be queued on the GPU)."""
+
     def wait(self) -> None:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
+
+    def detail(self) -> dict:
+        return {}  # copied in one pass as it was called: nothing to report
 
 
 def hf_dir_loader(model_dir: Path):
     """A LoadWeights for the engine: one pass over the *.safetensors files, copying each tensor (converted to
     the engine's dtype) into its rows of the flat buffer."""
 
-    def load(plan: WeightPlan, buffer: torch.Tensor) -> _Loaded:
+    def load(plan: WeightPlan, buffer: torch.Tensor) -> CopiedLoad:
         views = tensor_views(buffer, plan)
         files = sorted(Path(model_dir).glob("*.safetensors"))
         if not files:
@@ -38,6 +43,6 @@ def hf_dir_loader(model_dir: Path):
                     for s in t.sources:
                         if where[s.name] == file:
                             views[t.name][s.row:s.row + s.rows].copy_(f.get_tensor(s.name))
-        return _Loaded()
+        return CopiedLoad()
 
     return load
