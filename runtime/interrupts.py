@@ -13,7 +13,8 @@ The handler runs wherever the main thread is between bytecodes, and that may be 
 raised: a finalizer (a socket's `__del__`, run by the garbage collector), a weakref's callback (the import
 system's module locks have one). There the KeyboardInterrupt goes to `sys.unraisablehook` instead of up the
 stack, and the build would go on. So the hook takes a dropped interrupt back: it is asked for again, and the
-watcher's next poke raises it, until one lands where it unwinds the main thread.
+watcher's next poke raises it, until one lands where it unwinds the main thread. Never while the hook runs: what
+is raised in the hook is dropped without a second call of it, and the interrupt would be lost for good.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import os
 import signal
 import sys
 import threading
-from types import FrameType
+from types import CodeType, FrameType
 
 _POKE = signal.SIGUSR1
 
@@ -35,7 +36,7 @@ def sigterm_interrupts_main() -> None:
         """SIGTERM or SIGINT, or the watcher's poke: raises once an interrupt is asked for."""
         if signum != _POKE:
             requested.set()
-        if requested.is_set() and not raised.is_set():
+        if requested.is_set() and not raised.is_set() and not _inside(frame, take_back.__code__):
             raised.set()
             raise KeyboardInterrupt
 
@@ -65,3 +66,12 @@ def sigterm_interrupts_main() -> None:
                     raised.wait(0.05)
 
     threading.Thread(target=watch, name="signal-watcher", daemon=True).start()
+
+
+def _inside(frame: FrameType | None, code: CodeType) -> bool:
+    """Whether FRAME or a frame that called it runs CODE."""
+    while frame is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
