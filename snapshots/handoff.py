@@ -52,6 +52,19 @@ def listen(snapshot_id: str) -> socket.socket:
     return listener
 
 
+def name_taken(snapshot_id: str) -> bool:
+    """Whether another process holds SNAPSHOT_ID's handoff name in this network namespace: one restored from
+    the same snapshot still waiting for its handoff. CRIU cannot restore the listener of a second one then."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.bind(socket_name(snapshot_id))
+    except OSError:
+        return True
+    finally:
+        probe.close()
+    return False
+
+
 def receive(listener: socket.socket) -> tuple[Handoff, socket.socket, socket.socket | None]:
     """Restored side: wait for the bootstrap, take over its stdout/stderr, environment and directory.
     Returns the message, the connection (to acknowledge on) and the weights channel, if one came."""

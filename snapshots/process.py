@@ -199,9 +199,12 @@ def thaw(criu: Criu, directory: Path, image: SnapshotImage, message: handoff.Han
             message.restore_detail["early_s"] = round(time.time() - running.started, 4)
         try:
             pid, restore_s = checkpoint.finish_restore(running)
-        except SnapshotError:
+        except SnapshotError as error:
             if verification is not None:  # a damaged image is the reason CRIU failed, if it is damaged
                 verification.wait()
+            if handoff.name_taken(image.snapshot_id):
+                raise SnapshotError("another process restored from this snapshot waits for its handoff in this "
+                                    f"network namespace (docs/snapshots.md); {error}") from error
             raise
         log.info("%s snapshot: CRIU restored pid %d in %.3f s", image.kind, pid, restore_s)
         message.restore_detail["criu_s"] = round(restore_s, 4)

@@ -112,8 +112,10 @@ def test_a_restore_started_early_and_not_taken_is_undone(process_snapshot):
     running = early_restore.take("process", criu.path, process_snapshot / "process" / IMAGES, list(CRIU_OPTIONS))
     assert running is not None and early_restore.take("process", criu.path, "/elsewhere", []) is None
     pid, seconds = running.wait()
-    assert seconds > 0 and Path(f"/proc/{pid}").exists() and pid in children_of(os.getpid())
-    running.undo()
+    try:
+        assert seconds > 0 and Path(f"/proc/{pid}").exists() and pid in children_of(os.getpid())
+    finally:  # left running, it would hold the snapshot's handoff name: no later restore of it could run
+        running.undo()
     assert pid not in children_of(os.getpid()) and not Path(f"/proc/{pid}").exists()
 
     assert early_restore.start([], env) == "process"
@@ -121,6 +123,35 @@ def test_a_restore_started_early_and_not_taken_is_undone(process_snapshot):
     assert early_restore.take("gpu", criu.path, process_snapshot / "gpu" / IMAGES, []) is None  # another: undone
     assert set(children_of(os.getpid())) <= before  # CRIU and what it restored are gone
     early_restore.abandon()  # nothing left to abandon
+
+
+@pytest.mark.criu
+def test_a_snapshot_whose_restored_process_still_waits_starts_cold_and_says_why(process_snapshot, tiny_model_dir,
+                                                                                 cold_text, tmp_path):  # noqa: F811
+    """Two instances restoring one snapshot in one network namespace: the second starts fresh, and its reason
+    names the clash rather than only CRIU's failed bind."""
+    env = {"SNAPSHOT_DIR": str(process_snapshot), "RESTORE": "process", "LAZY_PAGES": "0"}
+    assert early_restore.start([], env) == "process"
+    waiting = early_restore.take("process", find_criu().path, process_snapshot / "process" / IMAGES,
+                                 list(CRIU_OPTIONS))
+    waiting.wait()
+    (tmp_path / "second").mkdir(), (tmp_path / "after").mkdir()
+    try:
+        server = boot(tmp_path / "second", tiny_model_dir, process_snapshot)
+        try:
+            state = health(server)
+            assert state["restore_path"] == "cold"
+            assert "another process restored from this snapshot waits for its handoff" in state["skipped"]["process"]
+            assert greedy_text(server) == cold_text
+        finally:
+            server.stop()
+    finally:
+        waiting.undo()
+    server = boot(tmp_path / "after", tiny_model_dir, process_snapshot)  # the name is free again
+    try:
+        assert health(server)["restore_path"] == "process"
+    finally:
+        server.stop()
 
 
 @pytest.mark.criu

@@ -34,7 +34,10 @@ def health(server) -> dict:
 def children_of(pid: int) -> list[int]:
     kids = []
     for task in Path(f"/proc/{pid}/task").iterdir():
-        kids += [int(p) for p in (task / "children").read_text().split()]
+        try:
+            kids += [int(p) for p in (task / "children").read_text().split()]
+        except FileNotFoundError:  # a thread that ended since the listing
+            continue
     return kids
 
 
