@@ -119,10 +119,12 @@ def test_a_restore_started_early_and_not_taken_is_undone(process_snapshot):
     assert pid not in children_of(os.getpid()) and not Path(f"/proc/{pid}").exists()
 
     assert early_restore.start([], env) == "process"
-    before = set(children_of(os.getpid()))
-    assert early_restore.take("gpu", criu.path, process_snapshot / "gpu" / IMAGES, []) is None  # another: undone
-    assert set(children_of(os.getpid())) <= before  # CRIU and what it restored are gone
-    early_restore.abandon()  # nothing left to abandon
+    try:
+        before = set(children_of(os.getpid()))
+        assert early_restore.take("gpu", criu.path, process_snapshot / "gpu" / IMAGES, []) is None  # another: undone
+        assert set(children_of(os.getpid())) <= before  # CRIU and what it restored are gone
+    finally:
+        early_restore.abandon()  # nothing left to abandon, unless an assertion failed first
 
 
 @pytest.mark.criu
