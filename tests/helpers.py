@@ -1,4 +1,4 @@
-"""Shared test helpers: tiny random models and engines built on them."""
+"""Shared test helpers: tiny random models and engines built on them; the processes a process started."""
 
 from __future__ import annotations
 
@@ -50,3 +50,14 @@ def make_engine(model_dir, **config) -> Engine:
     engine = Engine.build(model_dir, hf_dir_loader(Path(model_dir)), EngineConfig(**config))
     engine.start()
     return engine
+
+
+def children_of(pid: int) -> list[int]:
+    """The processes PID started that are still its children, as the kernel lists each of its threads'."""
+    kids: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            kids += [int(p) for p in (task / "children").read_text().split()]
+        except FileNotFoundError:  # a thread that ended since the listing
+            continue
+    return kids

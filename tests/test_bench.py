@@ -14,6 +14,7 @@ import pytest
 
 from runtime.bench.plots import assign_lanes
 from runtime.bench.workload import WorkloadShape, make_workload
+from tests.helpers import children_of
 
 REPO = Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -115,10 +116,6 @@ def test_a_trace_that_would_restore_one_snapshot_twice_at_once_says_so_before_it
     assert len(warning) == 1 and "--instance-snapshot-dirs" in warning[0]
 
 
-def _children(pid: int) -> set[int]:
-    return {int(c) for task in Path(f"/proc/{pid}/task").iterdir() for c in (task / "children").read_text().split()}
-
-
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -135,7 +132,7 @@ def test_a_stopped_trace_keeps_its_finished_points_stops_its_servers_and_merges_
                               "--rates", "4,5", "--out", str(first)], cwd=REPO, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
-    while not ((first / "logs" / "trace-cold-5").exists() and (servers := _children(bench.pid))):
+    while not ((first / "logs" / "trace-cold-5").exists() and (servers := children_of(bench.pid))):
         assert bench.poll() is None and time.monotonic() < deadline, bench.communicate()
         time.sleep(0.05)
     bench.send_signal(signal.SIGTERM)  # what `timeout` sends: the second rate's server is starting or serving

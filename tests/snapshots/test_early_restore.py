@@ -17,9 +17,10 @@ from snapshots.criu import find_criu
 from snapshots.image import SnapshotImage
 from snapshots.restore_run import CRIU_OPTIONS, IMAGES
 from tests.snapshots.test_process_snapshot import cold_text  # noqa: F401  (the module's fixture, shared)
+from tests.helpers import children_of
 from tests.server.conftest import API_KEY, start_server
 from tests.snapshots.conftest import ENGINE_ENV
-from tests.snapshots.test_process_snapshot import boot, children_of, greedy_text, health
+from tests.snapshots.test_process_snapshot import boot, greedy_text, health
 
 
 def snapshot_dir_with(tmp_path: Path, *kinds: str, order: dict[str, float] | None = None) -> Path:

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from snapshots.image import IMAGES, SnapshotImage
+from tests.helpers import children_of
 from tests.server.test_multi_model import MAX_TOKENS, PROMPTS, complete, faas_build, http_get, served_text, start
-from tests.snapshots.test_process_snapshot import children_of
 
 pytestmark = pytest.mark.criu
 

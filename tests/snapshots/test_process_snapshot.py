@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from snapshots.image import IMAGES, MANIFEST, SnapshotImage
+from tests.helpers import children_of
 from tests.server.conftest import API_KEY, start_server
 from tests.snapshots.conftest import BAKE_ONLY, ENGINE_ENV
 
@@ -29,16 +30,6 @@ def greedy_text(server) -> str:
 
 def health(server) -> dict:
     return httpx.get(f"{server.url}/health", timeout=5).json()
-
-
-def children_of(pid: int) -> list[int]:
-    kids = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            kids += [int(p) for p in (task / "children").read_text().split()]
-        except FileNotFoundError:  # a thread that ended since the listing
-            continue
-    return kids
 
 
 @pytest.fixture(scope="module")
