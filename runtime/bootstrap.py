@@ -21,7 +21,7 @@ from runtime.config import ConfigError, Settings
 from runtime.logs import get_logger, setup_logging
 from runtime.start_paths import SkipPath, read_restore_order
 from runtime.timeline import Timeline
-from snapshots import early_restore
+from snapshots import early_restore, stop_during_restore
 
 if TYPE_CHECKING:
     from runtime.engine import Engine
@@ -43,6 +43,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             check_model_ref(model.ref)
     except ConfigError as exc:
         early_restore.abandon()
+        stop_during_restore.release()
         return _config_error(exc, lambda_api)
     setup_logging(settings.log_level)
     from runtime.weights import prefetch
@@ -69,6 +70,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return status
     prefetch.widen()  # no restore: the weights have the disk
     early_restore.abandon()  # one the entry point started: undone where this start restores nothing
+    stopped = stop_during_restore.release()
+    if stopped is not None:  # asked to stop while it restored: nothing is left to stop but this process
+        log.info("stopped by signal %d during the restore: not starting fresh", stopped)
+        return 128 + stopped
     try:
         # After any restore: a bootstrap that restores a snapshot never needs the handler's imports
         # (starlette's alone take a tenth of a second), and the restored runtime has them already.

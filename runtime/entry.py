@@ -2,7 +2,8 @@
 bootstrap would restore first (snapshots/early_restore.py says why and what makes it safe), then the reading
 into the page cache of the file pages a start from that snapshot touches (snapshots/start_pages.py) and then
 of the weights (runtime/weights/prefetch.py), where they are not there, then imports the bootstrap and runs
-it. `python -m runtime.bootstrap` runs the same start without any of them.
+it. From its first step SIGTERM and SIGINT wait until a restore is handed over or undone
+(snapshots/stop_during_restore.py). `python -m runtime.bootstrap` runs the same start without any of them.
 
 The image runs it without `site` (its `faas-bootstrap` is a script run by `python3 -S`; the bench starts
 `python3 -S -m runtime.entry`): the interpreter starts without reading site-packages' `.pth` files and running
@@ -24,8 +25,9 @@ def main(argv: list[str] | None = None) -> int:
         import os
 
         from runtime.setting_text import early_flag, setting
-        from snapshots import early_restore
+        from snapshots import early_restore, stop_during_restore
 
+        stop_during_restore.hold()  # until the restore is handed over or undone (runtime/bootstrap.py)
         kind = early_restore.start(argv, check=not sys.flags.no_site)
         pages = None
         if kind is not None and early_flag(argv, os.environ, "PREFETCH_START_PAGES"):

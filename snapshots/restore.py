@@ -26,7 +26,7 @@ from runtime.config import Settings
 from runtime.logs import get_logger
 from runtime.start_paths import SkipPath, read_restore_order
 from runtime.timeline import Timeline
-from snapshots import early_restore, thawed
+from snapshots import early_restore, stop_during_restore, thawed
 from snapshots.criu import Criu, find_criu, restore_blockers
 from snapshots.fingerprint import Fingerprint, current_fingerprint, mismatch
 from snapshots.image import SEVERAL_MODELS_NO_GPU, ImageError, SnapshotImage
@@ -54,6 +54,7 @@ def take_over(settings: Settings, argv: list[str]) -> int | None:
     Never raises: a function must start whatever state its snapshots are in."""
     if thawed.current is not None:
         return None  # this is the restored process: the engine is in thawed.current
+    stop_during_restore.hold()  # the entry point holds them already; `python -m runtime.bootstrap` does not
     try:
         return _take_over(settings, argv)
     finally:

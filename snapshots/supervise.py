@@ -2,8 +2,8 @@
 
 Why supervise rather than exec: the restored process is not a program that can be exec'd; CRIU creates it
 as a child (here of the bootstrap, its subreaper). The bootstrap is the container's pid 1, so it stays: it
-forwards SIGTERM/SIGINT (Knative's drain) to the runtime, reaps what is orphaned to it, and exits with the
-runtime's status so the platform sees the real outcome.
+forwards SIGTERM/SIGINT (Knative's drain) to the runtime, the one that came during the restore included,
+reaps what is orphaned to it, and exits with the runtime's status so the platform sees the real outcome.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import signal
 import time
 
 from runtime.logs import get_logger
+from snapshots import stop_during_restore
 
 log = get_logger("snapshots.supervise")
 
@@ -32,6 +33,10 @@ def supervise(pid: int, lazy_pages: int | None = None, restored_at: float | None
 
     for signum in FORWARDED:
         signal.signal(signum, forward)
+    noted = stop_during_restore.take_noted()
+    if noted is not None:  # it came while CRIU restored or the hand-over ran: the runtime drains now
+        log.info("forwarding %s, which came during the restore", signal.Signals(noted).name)
+        forward(noted, None)
     while True:
         try:
             reaped, status = os.waitpid(-1, 0)

@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from runtime.bench.instance import entry_command
 from runtime.start_paths import ORDER_FILE
-from snapshots import early_restore
+from snapshots import early_restore, handoff
 from snapshots.criu import find_criu
 from snapshots.image import SnapshotImage
 from snapshots.restore_run import CRIU_OPTIONS, IMAGES
@@ -155,6 +158,64 @@ def test_a_snapshot_whose_restored_process_still_waits_starts_cold_and_says_why(
         assert health(server)["restore_path"] == "process"
     finally:
         server.stop()
+
+
+def processes_running(marker: bytes, pids: list[int] | None = None) -> list[int]:
+    """Of PIDS (default: every process), those whose command line holds MARKER."""
+    found = []
+    for pid in pids if pids is not None else [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()]:
+        try:
+            if marker in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(pid)
+        except OSError:  # it ended since the listing
+            continue
+    return found
+
+
+@pytest.mark.criu
+@pytest.mark.parametrize("command", ["entry", "bootstrap"])
+def test_sigterm_while_criu_restores_leaves_nothing_running(process_snapshot, tiny_model_dir, tmp_path, command):
+    """A platform may stop an instance while it starts. Killed then, the bootstrap would leave what CRIU restored
+    waiting for a handoff forever, holding the snapshot's handoff name: no later restore of it would run."""
+    restored = b"snapshots.frozen"  # what a process restored from a snapshot runs
+    assert processes_running(restored) == []
+    bootstrap = None if command == "entry" else [sys.executable, "-m", "runtime.bootstrap"]
+    started = start_server(tmp_path, command, bootstrap, MODEL=str(tiny_model_dir),
+                           SNAPSHOT_DIR=str(process_snapshot), API_KEY=API_KEY, **ENGINE_ENV)
+    deadline = time.monotonic() + 30
+    while not processes_running(b"restore", children_of(started.process.pid)):
+        assert started.process.poll() is None and time.monotonic() < deadline, started.log()[-2000:]
+        time.sleep(0.001)
+    started.process.send_signal(signal.SIGTERM)  # criu restore is running
+    # handed over, then stopped by the forwarded signal: drained, or before it served at all
+    assert started.process.wait(timeout=60) in (0, 128 + signal.SIGTERM), started.log()[-2000:]
+    assert "forwarding SIGTERM, which came during the restore" in started.log()
+    assert processes_running(restored) == []
+    assert not handoff.name_taken(SnapshotImage.read(process_snapshot / "process").snapshot_id)
+    server = boot(tmp_path, tiny_model_dir, process_snapshot)  # the next start restores
+    try:
+        assert health(server)["restore_path"] == "process"
+    finally:
+        server.stop()
+
+
+@pytest.mark.criu
+def test_sigterm_while_a_failing_restore_runs_stops_the_start(process_snapshot, tiny_model_dir, tmp_path):
+    """Where the restore fails, the start would go on fresh, minutes on a large model, for an instance already
+    told to stop: it exits instead."""
+    criu = tmp_path / "criu"  # its restores fail, after long enough to be stopped during one
+    criu.write_text(f"#!/bin/sh\nif [ \"$1\" = restore ]; then sleep 1; exit 1; fi\nexec {find_criu().path} \"$@\"\n")
+    criu.chmod(0o755)
+    started = start_server(tmp_path, "boot", MODEL=str(tiny_model_dir), SNAPSHOT_DIR=str(process_snapshot),
+                           API_KEY=API_KEY, THAWLLM_CRIU=str(criu), **ENGINE_ENV)
+    deadline = time.monotonic() + 30
+    while not processes_running(b"restore", children_of(started.process.pid)):
+        assert started.process.poll() is None and time.monotonic() < deadline, started.log()[-2000:]
+        time.sleep(0.001)
+    started.process.send_signal(signal.SIGTERM)
+    assert started.process.wait(timeout=60) == 128 + signal.SIGTERM, started.log()[-2000:]
+    log = started.log()
+    assert "stopped by signal 15 during the restore: not starting fresh" in log and "ready: serving" not in log
 
 
 @pytest.mark.criu
