@@ -71,8 +71,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     prefetch.widen()  # no restore: the weights have the disk
     early_restore.abandon()  # one the entry point started: undone where this start restores nothing
     stopped = stop_during_restore.release()
-    if stopped is not None:  # asked to stop while it restored: nothing is left to stop but this process
-        log.info("stopped by signal %d during the restore: not starting fresh", stopped)
+    if stopped is not None:  # asked to stop while it looked or restored: nothing is left to stop but this process
+        log.info("stopped by signal %d while the start looked for a snapshot or restored one: not starting fresh",
+                 stopped)
         return 128 + stopped
     try:
         # After any restore: a bootstrap that restores a snapshot never needs the handler's imports

@@ -215,7 +215,8 @@ def test_sigterm_while_a_failing_restore_runs_stops_the_start(process_snapshot, 
     started.process.send_signal(signal.SIGTERM)
     assert started.process.wait(timeout=60) == 128 + signal.SIGTERM, started.log()[-2000:]
     log = started.log()
-    assert "stopped by signal 15 during the restore: not starting fresh" in log and "ready: serving" not in log
+    assert "stopped by signal 15 while the start looked for a snapshot or restored one: not starting fresh" in log
+    assert "ready: serving" not in log
 
 
 @pytest.mark.criu
