@@ -172,6 +172,14 @@ def processes_running(marker: bytes, pids: list[int] | None = None) -> list[int]
     return found
 
 
+def wait_for_criu_restore(server) -> None:
+    """Until SERVER's bootstrap runs `criu restore`."""
+    deadline = time.monotonic() + 30
+    while not processes_running(b"restore", children_of(server.process.pid)):
+        assert server.process.poll() is None and time.monotonic() < deadline, server.log()[-2000:]
+        time.sleep(0.001)
+
+
 @pytest.mark.criu
 @pytest.mark.parametrize("command", ["entry", "bootstrap"])
 def test_sigterm_while_criu_restores_leaves_nothing_running(process_snapshot, tiny_model_dir, tmp_path, command):
@@ -182,10 +190,7 @@ def test_sigterm_while_criu_restores_leaves_nothing_running(process_snapshot, ti
     bootstrap = None if command == "entry" else [sys.executable, "-m", "runtime.bootstrap"]
     started = start_server(tmp_path, command, bootstrap, MODEL=str(tiny_model_dir),
                            SNAPSHOT_DIR=str(process_snapshot), API_KEY=API_KEY, **ENGINE_ENV)
-    deadline = time.monotonic() + 30
-    while not processes_running(b"restore", children_of(started.process.pid)):
-        assert started.process.poll() is None and time.monotonic() < deadline, started.log()[-2000:]
-        time.sleep(0.001)
+    wait_for_criu_restore(started)
     started.process.send_signal(signal.SIGTERM)  # criu restore is running
     # handed over, then stopped by the forwarded signal: drained, or before it served at all
     assert started.process.wait(timeout=60) in (0, 128 + signal.SIGTERM), started.log()[-2000:]
@@ -208,10 +213,7 @@ def test_sigterm_while_a_failing_restore_runs_stops_the_start(process_snapshot, 
     criu.chmod(0o755)
     started = start_server(tmp_path, "boot", MODEL=str(tiny_model_dir), SNAPSHOT_DIR=str(process_snapshot),
                            API_KEY=API_KEY, THAWLLM_CRIU=str(criu), **ENGINE_ENV)
-    deadline = time.monotonic() + 30
-    while not processes_running(b"restore", children_of(started.process.pid)):
-        assert started.process.poll() is None and time.monotonic() < deadline, started.log()[-2000:]
-        time.sleep(0.001)
+    wait_for_criu_restore(started)
     started.process.send_signal(signal.SIGTERM)
     assert started.process.wait(timeout=60) == 128 + signal.SIGTERM, started.log()[-2000:]
     log = started.log()
