@@ -4,9 +4,11 @@ first cuBLAS product and torch kernels a first prefill runs, each in fresh proce
 A restored process snapshot holds no CUDA state (docs/snapshots.md), so it pays all of this after the
 restore: this probe says which part is which, whether a context another process holds (a restore
 helper's) makes a new one cheaper, and whether a process that has just written a heap the size of the
-runtime's image into fresh memory (what CRIU's restore does) makes its context more slowly. For each context:
-its thread's CPU time and the part in the kernel, its page faults and waits, and how much resident memory
-it added.
+runtime's image into fresh memory (what CRIU's restore does) makes its context more slowly. Where criu can
+checkpoint here (root, criu installed), the same processes are also checkpointed once parked and their context
+made after CRIU restored them, as a process snapshot's runtime makes its own (on a GPU machine it is baked
+without a pid namespace of its own: snapshots/process.py). For each context: its thread's CPU time and the
+part in the kernel, its page faults and waits, and how much resident memory it added.
 
     python scripts/probe_cuda_start.py --repeat 5 --out cuda-start-h100.json
 """
@@ -14,15 +16,26 @@ it added.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
+import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from snapshots.criu import Criu, find_criu, restore_blockers  # noqa: E402
+from snapshots.restore_run import CRIU_OPTIONS  # noqa: E402
 
 DRIVER = r"""
 import ctypes, json, mmap, os, resource, sys, time
+if {own_session}:
+    os.setsid()  # CRIU checkpoints whole sessions
 if {torch}:
     import torch
 if {heap_mib}:
@@ -32,6 +45,8 @@ if {heap_mib}:
 def resident_mib():
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * mmap.PAGESIZE / 2**20
+print("parked", flush=True)
+{wait}
 t0 = time.perf_counter()
 cu = ctypes.CDLL("libcuda.so.1")
 t1 = time.perf_counter()
@@ -86,9 +101,12 @@ sys.stdin.read()
 """
 
 
-def driver(torch: bool, heap_mib: int = 0) -> str:
-    """The driver probe's code: after importing torch or not, and after writing HEAP_MIB of fresh memory."""
-    return DRIVER.format(torch=torch, heap_mib=heap_mib)
+
+
+def driver(torch: bool, heap_mib: int = 0, wait: str = "") -> str:
+    """The driver probe's code: after importing torch or not, and after writing HEAP_MIB of fresh memory, it
+    parks until the code WAIT returns (in a session of its own, to be checkpointed), then makes its context."""
+    return DRIVER.format(torch=torch, heap_mib=heap_mib, wait=wait, own_session=bool(wait))
 
 
 def run(code: str) -> dict:
@@ -98,15 +116,70 @@ def run(code: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def restored(criu: Criu, torch: bool, heap_mib: int) -> dict:
+    """The driver probe parked, checkpointed by criu (which ends it), restored, then let go: the figures of
+    its context made after the restore, with criu's restore time."""
+    with tempfile.TemporaryDirectory(prefix="probe-cuda-restored-") as work:
+        work = Path(work)
+        go, out, images = work / "go", work / "out.txt", work / "images"
+        code = driver(torch, heap_mib, wait=f"while not os.path.exists({str(go)!r}): time.sleep(0.001)")
+        command = [sys.executable, "-c", code]
+        with open(out, "wb") as log:
+            # cwd "/": criu restores the working directory, which the temporary one would not be for long
+            process = subprocess.Popen(command, cwd="/", stdin=subprocess.DEVNULL, stdout=log,
+                                       stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 120
+            while b"parked" not in out.read_bytes():
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit(f"probe_cuda_start: the probe did not park: {out.read_text()[-400:]}")
+                time.sleep(0.01)
+            images.mkdir()
+            criu.run(["dump", "-t", str(process.pid), "-D", str(images), *CRIU_OPTIONS], work / "dump.log")
+        finally:
+            process.kill()
+            process.wait()
+        started = time.perf_counter()
+        criu.run(["restore", "-d", "-D", str(images), "--pidfile", str(work / "pid"), *CRIU_OPTIONS],
+                 work / "restore.log")
+        restore_s = time.perf_counter() - started
+        go.touch()
+        _, status = os.waitpid(int((work / "pid").read_text()), 0)  # our child: we are its subreaper
+        lines = out.read_text().strip().splitlines()
+        if status != 0:
+            raise SystemExit(f"probe_cuda_start: a restored probe failed: {lines[-5:]}")
+        return {**json.loads(lines[-1]), "restore_s": restore_s}
+
+
+def restored_arms(heap_mib: int, repeat: int) -> dict:
+    """The arms that need criu, or why they did not run."""
+    criu = find_criu()
+    blockers = restore_blockers(criu)
+    if criu is None or blockers:
+        return {"restored_arms_not_run": blockers or ["no criu found"]}
+    ctypes.CDLL(None).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER: each restored probe becomes our child
+    heap = f"import torch and {heap_mib} MiB written"
+    return {
+        "driver_restored": repeated(
+            "driver restored by criu", lambda: restored(criu, False, 0), repeat),
+        "driver_restored_after_torch_import_and_a_written_heap": repeated(
+            f"driver restored by criu after {heap}", lambda: restored(criu, True, heap_mib), repeat),
+    }
+
+
 def medians(runs: list[dict]) -> dict:
     return {key: round(statistics.median(r[key] for r in runs), 4) for key in runs[0]}
 
 
 def measure(name: str, code: str, repeat: int) -> dict:
+    return repeated(name, lambda: run(code), repeat)
+
+
+def repeated(name: str, take: Callable[[], dict], repeat: int) -> dict:
     runs = []
     for i in range(repeat):
         print(f"probe_cuda_start: {name} {i + 1}/{repeat}", file=sys.stderr, flush=True)
-        runs.append(run(code))
+        runs.append(take())
     return {"median": medians(runs), "runs": runs}
 
 
@@ -147,8 +220,9 @@ def main() -> None:
             "driver beside a process that ran cuInit only", driver(torch=False), False, args.repeat),
         "torch_first_ops": measure("torch first ops", TORCH.format(hidden=args.hidden, qkv=args.qkv,
                                                                    inter=args.inter), args.repeat),
+        **restored_arms(args.heap_mib, args.repeat),
     }
-    for key in (k for k in result if k not in ("date", "command")):
+    for key in (k for k in result if isinstance(result[k], dict)):
         print(f"{key:<48} " + "  ".join(f"{k} {v * 1e3:.1f} ms" if k.endswith("_s") else f"{k} {v:g}"
                                          for k, v in result[key]["median"].items()))
     args.out.write_text(json.dumps(result, indent=2))
