@@ -122,7 +122,8 @@ def image_memory(env: dict[str, str], model_dir: Path) -> dict[str, float]:
     settings = Settings.from_env(env)
     device = resolved_device(settings)
     with tempfile.TemporaryDirectory(prefix="bench-freeze-") as work:
-        frozen = checkpoint.freeze_runtime("process", model_dir, checkpoint.settings_environ(settings, env)
+        # this process's environment under the settings, as the bake's: the child needs its PATH and PYTHONPATH
+        frozen = checkpoint.freeze_runtime("process", model_dir, checkpoint.settings_environ(settings)
                                            | {"DEVICE": device}, Path(work), pid_namespace=device != "cuda")
         try:
             smaps = Path(f"/proc/{frozen.pid}/smaps").read_text()
