@@ -101,8 +101,6 @@ sys.stdin.read()
 """
 
 
-
-
 def driver(torch: bool, heap_mib: int = 0, wait: str = "") -> str:
     """The driver probe's code: after importing torch or not, and after writing HEAP_MIB of fresh memory, it
     parks until the code WAIT returns (in a session of its own, to be checkpointed), then makes its context."""
@@ -225,6 +223,8 @@ def main() -> None:
     for key in (k for k in result if isinstance(result[k], dict)):
         print(f"{key:<48} " + "  ".join(f"{k} {v * 1e3:.1f} ms" if k.endswith("_s") else f"{k} {v:g}"
                                          for k, v in result[key]["median"].items()))
+    if "restored_arms_not_run" in result:
+        print("restored arms not run: " + "; ".join(result["restored_arms_not_run"]))
     args.out.write_text(json.dumps(result, indent=2))
 
 
