@@ -148,6 +148,12 @@ class RestoreRun:
                 self._outcome = self._finish(timeout)
             except Exception as exc:  # noqa: BLE001 - kept: a second wait raises it again
                 self._outcome = exc
+            except BaseException:  # faas-build stopped (runtime/interrupts.py) while criu restores
+                self._undo_unfinished(timeout)
+                from snapshots.criu import CriuError
+
+                self._outcome = CriuError("the restore was interrupted; what CRIU restored was killed")
+                raise
             finally:
                 self._withdraw()
                 _remove(self.workdir)
@@ -174,6 +180,23 @@ class RestoreRun:
         with open(self._pidfile) as f:
             pid = int(f.read())
         return pid, os.stat(self._pidfile).st_mtime - self.started
+
+    def _undo_unfinished(self, timeout: float) -> None:
+        """Interrupted before criu's outcome was known: let criu finish (it undoes a restore that fails; killed
+        midway, it could leave a tree half restored), then kill what it restored. Left running, that process
+        would wait for a handoff forever, holding the snapshot's handoff name."""
+        try:
+            pid, _ = self._finish(timeout)
+        except (ChildProcessError, ProcessLookupError):  # criu reaped just before the interrupt: see its pid file
+            try:
+                with open(self._pidfile) as f:
+                    pid = int(f.read())
+            except (OSError, ValueError):
+                return
+        except Exception:  # noqa: BLE001 - criu failed and undid the restore: nothing is left
+            return
+        kill_tree(pid)
+        self.stop_lazy_pages()
 
     def undo(self) -> None:
         """Wait for CRIU, then kill what it restored: nothing of this restore is left running."""

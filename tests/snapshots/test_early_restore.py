@@ -16,9 +16,9 @@ import pytest
 from runtime.bench.instance import entry_command
 from runtime.start_paths import ORDER_FILE
 from snapshots import early_restore, handoff
-from snapshots.criu import find_criu
+from snapshots.criu import CriuError, find_criu
 from snapshots.image import SnapshotImage
-from snapshots.restore_run import CRIU_OPTIONS, IMAGES
+from snapshots.restore_run import CRIU_OPTIONS, IMAGES, RestoreRun, kill_tree
 from tests.snapshots.test_process_snapshot import cold_text  # noqa: F401  (the module's fixture, shared)
 from tests.helpers import children_of
 from tests.server.conftest import API_KEY, start_server
@@ -219,6 +219,53 @@ def test_sigterm_while_a_failing_restore_runs_stops_the_start(process_snapshot, 
     log = started.log()
     assert "stopped by signal 15 while the start looked for a snapshot or restored one: not starting fresh" in log
     assert "ready: serving" not in log
+
+
+def interrupt_after(seconds: float) -> None:
+    """KeyboardInterrupt in the main thread in SECONDS, as faas-build's SIGTERM raises one (runtime/interrupts.py)."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+
+
+@pytest.mark.criu
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_an_interrupt_while_criu_restores_leaves_nothing_restored(process_snapshot, tmp_path, when):
+    """faas-build restores each snapshot it bakes once, to check it. Stopped during that restore, before criu has
+    begun (WHEN before) or once it has restored but not yet exited (after), it must not leave the restored process
+    waiting for a handoff, holding the snapshot's handoff name, after the build has gone."""
+    real = find_criu().path
+    criu = tmp_path / "criu"
+    criu.write_text(f'#!/bin/sh\nsleep 0.5; exec {real} "$@"\n' if when == "before"
+                    else f'#!/bin/sh\n{real} "$@"; status=$?; sleep 1; exit $status\n')
+    criu.chmod(0o755)
+    snapshot_id = SnapshotImage.read(process_snapshot / "process").snapshot_id
+    before = set(children_of(os.getpid()))
+    running = RestoreRun(str(criu), process_snapshot / "process" / IMAGES, CRIU_OPTIONS)
+    try:
+        deadline = time.monotonic() + 30
+        while when == "after" and not handoff.name_taken(snapshot_id):  # restored: listening for its handoff
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        interrupt_after(0.1)
+        with pytest.raises(KeyboardInterrupt):
+            running.wait()
+        while processes_running(str(criu).encode(), children_of(os.getpid())):  # a criu left running ends first
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert not handoff.name_taken(snapshot_id)
+        assert not processes_running(b"snapshots.frozen", children_of(os.getpid()))
+        assert not Path(running.workdir).exists()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        for pid in set(children_of(os.getpid())) - before:  # left behind by a failure: later restores need the name
+            kill_tree(pid)
+    running.undo()  # the clean-up a caller runs next finds nothing left to undo
+    with pytest.raises(CriuError, match="interrupted"):
+        running.wait()
 
 
 @pytest.mark.criu
