@@ -35,7 +35,7 @@ from snapshots.restore_run import CRIU_OPTIONS  # noqa: E402
 DRIVER = r"""
 import ctypes, json, mmap, os, resource, sys, time
 if {own_session}:
-    os.setsid()  # CRIU checkpoints whole sessions
+    os.setsid()  # CRIU checkpoints a process tree that leads its own process group and session
 if {torch}:
     import torch
 if {heap_mib}:
@@ -103,7 +103,8 @@ sys.stdin.read()
 
 def driver(torch: bool, heap_mib: int = 0, wait: str = "") -> str:
     """The driver probe's code: after importing torch or not, and after writing HEAP_MIB of fresh memory, it
-    parks until the code WAIT returns (in a session of its own, to be checkpointed), then makes its context."""
+    parks until the code WAIT returns (leading its own process session, so that CRIU can checkpoint it), then
+    makes its context."""
     return DRIVER.format(torch=torch, heap_mib=heap_mib, wait=wait, own_session=bool(wait))
 
 

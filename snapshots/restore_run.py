@@ -177,9 +177,12 @@ class RestoreRun:
             raise timed_out("restore", timeout, self._log)
         if os.waitstatus_to_exitcode(status) != 0:
             raise self._failure(os.waitstatus_to_exitcode(status))
+        return self._restored_pid(), os.stat(self._pidfile).st_mtime - self.started
+
+    def _restored_pid(self) -> int:
+        """The restored root's pid, from the file CRIU writes once the restore is done."""
         with open(self._pidfile) as f:
-            pid = int(f.read())
-        return pid, os.stat(self._pidfile).st_mtime - self.started
+            return int(f.read())
 
     def _undo_unfinished(self, timeout: float) -> None:
         """Interrupted before criu's outcome was known: let criu finish (it undoes a restore that fails; killed
@@ -189,8 +192,7 @@ class RestoreRun:
             pid, _ = self._finish(timeout)
         except (ChildProcessError, ProcessLookupError):  # criu reaped just before the interrupt: see its pid file
             try:
-                with open(self._pidfile) as f:
-                    pid = int(f.read())
+                pid = self._restored_pid()
             except (OSError, ValueError):
                 return
         except Exception:  # noqa: BLE001 - criu failed and undid the restore: nothing is left
