@@ -131,6 +131,7 @@ def image_memory(env: dict[str, str], model_dir: Path) -> dict[str, float]:
             os.kill(frozen.pid, signal.SIGKILL)  # in a pid namespace, its init: `unshare` alone would leave it
             frozen.wrapper.kill()
             frozen.wrapper.wait()
+            frozen.release()
     return memory_by_kind(smaps)
 
 

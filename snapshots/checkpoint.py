@@ -23,7 +23,7 @@ from runtime.config import Settings
 from runtime.logs import get_logger
 from snapshots import handoff
 from snapshots.criu import Criu, CriuError
-from snapshots.restore_run import CRIU_OPTIONS, IMAGES, RestoreRun, kill_tree
+from snapshots.restore_run import CRIU_OPTIONS, IMAGES, RestoreRun, claim, kill_tree
 
 log = get_logger("snapshots.checkpoint")
 
@@ -42,6 +42,14 @@ class Frozen:
     pid: int  # the frozen process's pid as this process sees it
     snapshot_id: str
     log_path: Path
+    #: the snapshot's restorer name, held while the process waits to be checkpointed (restore_run.py: `claim`)
+    claim: object | None = None
+
+    def release(self) -> None:
+        """Let go of the restorer name: the process has been dumped, or killed."""
+        if self.claim is not None:
+            self.claim.close()
+            self.claim = None
 
 
 def freeze_runtime(kind: str, model_dir: Path | None, environ: dict[str, str], workdir: Path,
@@ -61,6 +69,7 @@ def freeze_runtime(kind: str, model_dir: Path | None, environ: dict[str, str], w
         command += ["--model-dir", str(model_dir)]
     if pid_namespace:
         command = ["unshare", "--pid", "--fork", *command]
+    held = claim(snapshot_id)  # before it starts: it waits for its handoff only while someone holds the name
     with open(log_path, "wb") as log_file:
         # cwd "/": CRIU restores the working directory, and / exists wherever the image goes
         wrapper = subprocess.Popen(command, cwd="/", env=env, stdin=subprocess.DEVNULL, stdout=log_file,
@@ -74,11 +83,13 @@ def freeze_runtime(kind: str, model_dir: Path | None, environ: dict[str, str], w
             wrapper.wait()
             raise SnapshotError(f"the {kind} runtime did not get ready:\n{_tail(log_path)}")
         if not pid_namespace:
-            return Frozen(wrapper, wrapper.pid, snapshot_id, log_path)
+            return Frozen(wrapper, wrapper.pid, snapshot_id, log_path, held)
         children = Path(f"/proc/{wrapper.pid}/task/{wrapper.pid}/children").read_text().split()
-        return Frozen(wrapper, int(children[0]), snapshot_id, log_path)
+        return Frozen(wrapper, int(children[0]), snapshot_id, log_path, held)
     except BaseException:
         wrapper.kill()
+        if held is not None:
+            held.close()
         raise
 
 
@@ -96,15 +107,16 @@ def dump(criu: Criu, frozen: Frozen, directory: Path, extra: list[str] = ()) -> 
         if frozen.wrapper.pid != frozen.pid:
             frozen.wrapper.kill()
         frozen.wrapper.wait()
+        frozen.release()
     return time.time() - started
 
 
-def start_restore(criu: Criu, directory: Path, extra: list[str] = (),
+def start_restore(criu: Criu, directory: Path, snapshot_id: str, extra: list[str] = (),
                   kernel_features: dict | None = None) -> RestoreRun:
-    """criu restore of the snapshot in DIRECTORY, detached, in the background: the restored init becomes our
-    child (we are its subreaper). CRIU undoes a restore that fails. KERNEL_FEATURES: the snapshot's record of
-    the kernel's features, offered to criu (snapshots/kernel_features.py)."""
-    return RestoreRun(criu.path, directory / IMAGES, [*CRIU_OPTIONS, *extra], kernel_features)
+    """criu restore of the snapshot in DIRECTORY (SNAPSHOT_ID: its manifest's), detached, in the background: the
+    restored init becomes our child (we are its subreaper). CRIU undoes a restore that fails. KERNEL_FEATURES:
+    the snapshot's record of the kernel's features, offered to criu (snapshots/kernel_features.py)."""
+    return RestoreRun(criu.path, directory / IMAGES, snapshot_id, [*CRIU_OPTIONS, *extra], kernel_features)
 
 
 def finish_restore(run: RestoreRun) -> tuple[int, float]:

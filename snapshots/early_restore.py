@@ -61,7 +61,8 @@ def start(argv: Sequence[str], environ: Mapping[str, str] = os.environ, check: b
             return None  # the bootstrap says why; CRIU can hang on a truncated image
         lazy = early_flag(argv, environ, "LAZY_PAGES")
         features = manifest.get("kernel_features") if early_flag(argv, environ, "CRIU_FEATURE_CACHE") else None
-        _running = RestoreRun(criu, images, (*CRIU_OPTIONS, *kind_options(kind, lazy)), features)
+        _running = RestoreRun(criu, images, manifest["snapshot_id"], (*CRIU_OPTIONS, *kind_options(kind, lazy)),
+                              features)
         _kind = kind
         _unchecked = (kind, images, manifest)
         if check:

@@ -218,7 +218,8 @@ def main() -> int:
     os.write(args.ready_fd, b"ready\n")
     os.close(args.ready_fd)
 
-    received, conn, channel = handoff.receive(listener)  # <- checkpointed here; everything below runs restored
+    # checkpointed while it waits in here; everything after it runs restored
+    received, conn, channel = handoff.receive(listener, args.snapshot_id)
     stack_started = time.time()
     if restore_local_memory():
         received.restore_detail["stack_s"] = round(time.time() - stack_started, 4)

@@ -1,12 +1,13 @@
 """The handoff: how a process restored from a snapshot learns about the instance it now runs in.
 
 At bake time the frozen process listens on an abstract unix socket (no file to clean up; CRIU restores it
-listening) and blocks in accept(). After `criu restore` the bootstrap connects and sends one message: its
-environment (PORT, API_KEY... are read after restore, never baked), working directory, spawn time, the
-reasons faster paths were skipped, and (SCM_RIGHTS) its stdout and stderr, which the restored process puts
-in place of the /dev/null it was frozen with, and for a gpu restore whose weights stream during the restore,
-the socket the CUDA restore helper hands them over on (snapshots/weights_during_restore.py). The restored
-process answers "ok" once it has taken over.
+listening) and waits in accept(), for as long as some process holds the snapshot's restorer name
+(`accept_while_claimed`). After `criu restore` the bootstrap connects and sends one message: its environment
+(PORT, API_KEY... are read after restore, never baked), working directory, spawn time, the reasons faster
+paths were skipped, and (SCM_RIGHTS) its stdout and stderr, which the restored process puts in place of the
+/dev/null it was frozen with, and for a gpu restore whose weights stream during the restore, the socket the
+CUDA restore helper hands them over on (snapshots/weights_during_restore.py). The restored process answers
+"ok" once it has taken over.
 """
 
 from __future__ import annotations
@@ -18,8 +19,13 @@ import socket
 import time
 from dataclasses import asdict, dataclass, field
 
+from snapshots.restore_run import claimed
+
 ACK = b"ok"
 _MAX_MESSAGE = 1 << 20
+#: how often a process waiting for its handoff checks that a restorer is there, and its status when none is
+CLAIM_CHECK_S = 1.0
+ORPHANED_EXIT = 3
 
 
 class HandoffError(RuntimeError):
@@ -65,10 +71,11 @@ def name_taken(snapshot_id: str) -> bool:
     return False
 
 
-def receive(listener: socket.socket) -> tuple[Handoff, socket.socket, socket.socket | None]:
+def receive(listener: socket.socket, snapshot_id: str
+            ) -> tuple[Handoff, socket.socket, socket.socket | None]:
     """Restored side: wait for the bootstrap, take over its stdout/stderr, environment and directory.
     Returns the message, the connection (to acknowledge on) and the weights channel, if one came."""
-    conn, _ = listener.accept()  # the frozen process sleeps here; CRIU restarts the call after restore
+    conn = accept_while_claimed(listener, snapshot_id)  # the frozen process waits here, and resumes here
     listener.close()
     fds = array.array("i")
     message, ancillary, _, _ = conn.recvmsg(_MAX_MESSAGE, socket.CMSG_SPACE(3 * fds.itemsize))
@@ -87,6 +94,23 @@ def receive(listener: socket.socket) -> tuple[Handoff, socket.socket, socket.soc
     os.environ.update(handoff.environ)
     os.chdir(handoff.cwd)
     return handoff, conn, channel
+
+
+def accept_while_claimed(listener: socket.socket, snapshot_id: str) -> socket.socket:
+    """The bootstrap's connection. A process restored from the snapshot whose restorer was killed before the
+    hand-over would wait forever, holding the handoff name, so that no later restore of the snapshot could
+    run: every CLAIM_CHECK_S it checks that a process holds the snapshot's restorer name (the bake while it
+    waits to be checkpointed, the restore until it hands over: snapshots/restore_run.py, `claim`), and exits
+    when none does. The wait's timeout is safe across a restore: CRIU keeps the monotonic clock going on from
+    where it stood (it restores the process into a time namespace)."""
+    listener.settimeout(CLAIM_CHECK_S)
+    while True:
+        try:
+            conn, _ = listener.accept()
+            return conn
+        except TimeoutError:
+            if not claimed(snapshot_id):
+                os._exit(ORPHANED_EXIT)
 
 
 def acknowledge(conn: socket.socket) -> None:

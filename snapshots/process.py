@@ -193,7 +193,7 @@ def thaw(criu: Criu, directory: Path, image: SnapshotImage, message: handoff.Han
     try:
         if running is None:
             message.restore_detail["before_criu_s"] = round(time.time() - message.restore_started, 4)
-            running = checkpoint.start_restore(criu, directory, hooks.criu_options,
+            running = checkpoint.start_restore(criu, directory, image.snapshot_id, hooks.criu_options,
                                                image.kernel_features if feature_cache else None)
         else:  # CRIU has been restoring since the entry point; the bootstrap's imports and checks overlapped it
             message.restore_detail["early_s"] = round(time.time() - running.started, 4)
@@ -235,6 +235,8 @@ def thaw(criu: Criu, directory: Path, image: SnapshotImage, message: handoff.Han
             running.stop_lazy_pages()  # the restored tree is gone already (undone by CRIU or killed)
         raise
     finally:
+        if running is not None:
+            running.release_claim()  # handed over, or nothing restored is left
         if helper is not None:
             helper.detach() if handed_over else helper.close()
     return running

@@ -45,6 +45,35 @@ def kind_options(kind: str, lazy_pages: bool = False) -> tuple[str, ...]:
     return LAZY_OPTIONS if lazy_pages else ()
 
 
+def claim_name(snapshot_id: str) -> str:
+    return f"\0thawllm-restorer-{snapshot_id}"
+
+
+def claim(snapshot_id: str):
+    """Hold SNAPSHOT_ID's restorer name: an abstract unix socket, which the kernel frees when this process
+    ends, however it ends. A process restored from the snapshot waits for its handoff only while some process
+    holds it (snapshots/handoff.py: `receive`). Returns the socket (close it to let go), or None if another
+    process holds the name."""
+    import _socket  # not `socket`: its enums are not on the way to CRIU
+
+    sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)  # not inherited: criu must not keep it alive
+    try:
+        sock.bind(claim_name(snapshot_id))
+    except OSError:
+        sock.close()
+        return None
+    return sock
+
+
+def claimed(snapshot_id: str) -> bool:
+    """Whether some process holds SNAPSHOT_ID's restorer name."""
+    probe = claim(snapshot_id)
+    if probe is None:
+        return True
+    probe.close()
+    return False
+
+
 def image_file_problem(images: str | os.PathLike, files: dict[str, int]) -> str | None:
     """Why the image files in IMAGES are not the ones baked (FILES: name -> size), None when each is there
     with its size. Cheap (no reading), and it must come first: CRIU can hang on a truncated page image."""
@@ -65,11 +94,14 @@ class RestoreRun:
     fills the restored memory in after `wait()`: whoever supervises the restored process watches it. A
     daemon that cannot start (a kernel without userfaultfd) leaves a plain restore, and its reason in
     `lazy_refused`. KERNEL_FEATURES: the snapshot's record of the kernel's features, offered to criu while it
-    restores (snapshots/kernel_features.py)."""
+    restores (snapshots/kernel_features.py). The restore holds the snapshot's restorer name (`claim`, by
+    SNAPSHOT_ID) from before CRIU starts until `release_claim`: killed before it hands over, this process lets
+    go of it, and the restored process, finding no restorer, exits."""
 
-    def __init__(self, criu_path: str, images: str | os.PathLike, options: Sequence[str],
+    def __init__(self, criu_path: str, images: str | os.PathLike, snapshot_id: str, options: Sequence[str],
                  kernel_features: Mapping | None = None) -> None:
         set_subreaper()
+        self._claim = claim(snapshot_id)  # None: another restore of it is under way
         self.criu_path, self.images, self.options = criu_path, os.fspath(images), tuple(options)
         self.workdir = _private_dir()
         self._pidfile = os.path.join(self.workdir, "pid")
@@ -97,6 +129,7 @@ class RestoreRun:
             self.stop_lazy_pages()
             self._withdraw()
             _remove(self.workdir)
+            self.release_claim()
             raise
 
     def _start_lazy_pages(self) -> int | None:
@@ -150,6 +183,7 @@ class RestoreRun:
                 self._outcome = exc
             except BaseException:  # faas-build stopped (runtime/interrupts.py) while criu restores
                 self._undo_unfinished(timeout)
+                self.release_claim()
                 from snapshots.criu import CriuError
 
                 self._outcome = CriuError("the restore was interrupted; what CRIU restored was killed")
@@ -158,8 +192,16 @@ class RestoreRun:
                 self._withdraw()
                 _remove(self.workdir)
         if isinstance(self._outcome, BaseException):
+            self.release_claim()  # nothing restored is left
             raise self._outcome
         return self._outcome
+
+    def release_claim(self) -> None:
+        """Let go of the snapshot's restorer name: the restored process has its handoff, or is gone. Until then
+        no other restore of the snapshot can claim it."""
+        if self._claim is not None:
+            self._claim.close()
+            self._claim = None
 
     def _withdraw(self) -> None:
         """criu has read the record of kernel features it was offered by now: no later criu run finds it (again
@@ -208,6 +250,7 @@ class RestoreRun:
             return
         kill_tree(pid)
         self.stop_lazy_pages()
+        self.release_claim()
 
     def stop_lazy_pages(self) -> None:
         """Kill and reap the lazy-pages daemon, if one is running: what it was filling in is gone."""

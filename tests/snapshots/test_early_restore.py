@@ -205,6 +205,43 @@ def test_sigterm_while_criu_restores_leaves_nothing_running(process_snapshot, ti
 
 
 @pytest.mark.criu
+@pytest.mark.parametrize("command", ["entry", "bootstrap"])
+def test_a_restored_process_whose_bootstrap_was_killed_exits(process_snapshot, tiny_model_dir, tmp_path, command):
+    """SIGKILL cannot be held or forwarded: a bootstrap killed between CRIU's restore and the hand-over (outside
+    a container, nothing kills what it restored with it) leaves a process that waits for a handoff no one will
+    send. It must exit by itself, and give the snapshot's handoff name back for the next start."""
+    real = find_criu().path
+    criu = tmp_path / "criu"  # keeps the bootstrap waiting once the restore is done: the window to kill it in
+    criu.write_text(f'#!/bin/sh\n{real} "$@"; status=$?; sleep 2; exit $status\n')
+    criu.chmod(0o755)
+    snapshot_id = SnapshotImage.read(process_snapshot / "process").snapshot_id
+    before = set(processes_running(b"snapshots.frozen"))
+    bootstrap = None if command == "entry" else [sys.executable, "-m", "runtime.bootstrap"]
+    started = start_server(tmp_path, command, bootstrap, MODEL=str(tiny_model_dir), SNAPSHOT_DIR=str(process_snapshot),
+                           API_KEY=API_KEY, THAWLLM_CRIU=str(criu), RESTORE="process", **ENGINE_ENV)
+    try:
+        deadline = time.monotonic() + 60
+        # restored (its memory, command line included, is back) and listening; criu has not exited yet
+        while not (set(processes_running(b"snapshots.frozen")) - before and handoff.name_taken(snapshot_id)):
+            assert started.process.poll() is None and time.monotonic() < deadline, started.log()[-2000:]
+            time.sleep(0.005)
+        started.process.kill()
+        started.process.wait()
+        gone_by = time.monotonic() + 2 * handoff.CLAIM_CHECK_S + 1
+        while handoff.name_taken(snapshot_id) or set(processes_running(b"snapshots.frozen")) - before:
+            assert time.monotonic() < gone_by, "the restored process still waits for its handoff"
+            time.sleep(0.05)
+    finally:
+        for pid in set(processes_running(b"snapshots.frozen")) - before:  # later restores need the name
+            kill_tree(pid)
+    server = boot(tmp_path, tiny_model_dir, process_snapshot)  # the next start restores
+    try:
+        assert health(server)["restore_path"] == "process"
+    finally:
+        server.stop()
+
+
+@pytest.mark.criu
 def test_sigterm_while_a_failing_restore_runs_stops_the_start(process_snapshot, tiny_model_dir, tmp_path):
     """Where the restore fails, the start would go on fresh, minutes on a large model, for an instance already
     told to stop: it exits instead."""
@@ -243,7 +280,7 @@ def test_an_interrupt_while_criu_restores_leaves_nothing_restored(process_snapsh
     criu.chmod(0o755)
     snapshot_id = SnapshotImage.read(process_snapshot / "process").snapshot_id
     before = set(children_of(os.getpid()))
-    running = RestoreRun(str(criu), process_snapshot / "process" / IMAGES, CRIU_OPTIONS)
+    running = RestoreRun(str(criu), process_snapshot / "process" / IMAGES, snapshot_id, CRIU_OPTIONS)
     try:
         deadline = time.monotonic() + 30
         while when == "after" and not handoff.name_taken(snapshot_id):  # restored: listening for its handoff
