@@ -17,13 +17,16 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from runtime.config import Settings
 from runtime.logs import get_logger
 from snapshots import handoff
 from snapshots.criu import Criu, CriuError
 from snapshots.restore_run import CRIU_OPTIONS, IMAGES, RestoreRun, claim, kill_tree
+
+if TYPE_CHECKING:
+    import _socket
 
 log = get_logger("snapshots.checkpoint")
 
@@ -43,7 +46,7 @@ class Frozen:
     snapshot_id: str
     log_path: Path
     #: the snapshot's restorer name, held while the process waits to be checkpointed (restore_run.py: `claim`)
-    claim: object | None = None
+    claim: _socket.socket | None = None
 
     def release(self) -> None:
         """Let go of the restorer name: the process has been dumped, or killed."""

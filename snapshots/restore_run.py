@@ -11,6 +11,7 @@ import time
 
 TYPE_CHECKING = False  # typing itself is not imported at start
 if TYPE_CHECKING:
+    from _socket import socket
     from typing import Mapping, Sequence
 
 #: a snapshot's CRIU image files, in its directory, and what they are (snapshots/image.py)
@@ -49,7 +50,7 @@ def claim_name(snapshot_id: str) -> str:
     return f"\0thawllm-restorer-{snapshot_id}"
 
 
-def claim(snapshot_id: str):
+def claim(snapshot_id: str) -> "socket | None":
     """Hold SNAPSHOT_ID's restorer name: an abstract unix socket, which the kernel frees when this process
     ends, however it ends. A process restored from the snapshot waits for its handoff only while some process
     holds it (snapshots/handoff.py: `receive`). Returns the socket (close it to let go), or None if another
