@@ -27,6 +27,8 @@
 #                       baked again for each), one per instance running at once, each in a pid namespace
 #   serving:SHAPE       scripts/bench_serving.py (throughput, prefix caching, chunked prefill; $SERVING_ARGS added)
 #   probe               scripts/probe_cuda_start.py: the driver's load, cuInit, the context, first cuBLAS call
+#   context-after-idle:SHAPE   scripts/probe_context_after_idle.py on SHAPE's snapshots ($ROUNDS, default 5):
+#                       a start's CUDA context after 4 s without a CUDA client, and with a process holding the driver
 #   switch              faas-bench switch (several models in one instance; $SWITCH_ARGS added)
 #
 # Results (JSON, PNG, logs, junit) go to $RESULTS (default results/), named with the GPU ($GPU: h100, h200,
@@ -115,6 +117,15 @@ coldstart() {
     "$PY" -m runtime.bench.cli coldstart --model "$dir-baked/layout" --baseline-model "$dir" \
         --snapshot-dir "$dir-baked/snapshots" --device cuda --repeat "$REPEAT" --page-cache "$cache" \
         ${COLDSTART_MODES:+--modes "$COLDSTART_MODES"} --out "$RESULTS/$name"
+}
+
+context_after_idle() {
+    local shape=$1 dir
+    dir=$(model_dir "$shape")
+    [ -d "$dir-baked" ] || bake "$shape"
+    say "probe_context_after_idle $shape"
+    "$PY" scripts/probe_context_after_idle.py --model "$dir-baked/layout" --snapshot-dir "$dir-baked/snapshots" \
+        --rounds "${ROUNDS:-5}" --out "$RESULTS/context-after-idle-$GPU-$shape.json"
 }
 
 verify() {
@@ -210,6 +221,7 @@ for step in "$@"; do
         trace:*) trace "${step#trace:}" ;;
         serving:*) serving "${step#serving:}" ;;
         switch) switch ;;
+        context-after-idle:*) context_after_idle "${step#context-after-idle:}" ;;
         probe) say "probe_cuda_start"; "$PY" scripts/probe_cuda_start.py --out "$RESULTS/cuda-start-$GPU.json" ;;
         *) echo "gpu_suite: unknown step $step" >&2; exit 2 ;;
     esac

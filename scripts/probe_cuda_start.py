@@ -2,13 +2,15 @@
 first cuBLAS product and torch kernels a first prefill runs, each in fresh processes, median of --repeat.
 
 A restored process snapshot holds no CUDA state (docs/snapshots.md), so it pays all of this after the
-restore: this probe says which part is which, whether a context another process holds (a restore
-helper's) makes a new one cheaper, and whether a process that has just written a heap the size of the
-runtime's image into fresh memory (what CRIU's restore does) makes its context more slowly. Where criu can
-checkpoint here (root, criu installed), the same processes are also checkpointed once parked and their context
-made after CRIU restored them, as a process snapshot's runtime makes its own (on a GPU machine it is baked
-without a pid namespace of its own: snapshots/process.py). For each context: its thread's CPU time and the
-part in the kernel, its page faults and waits, and how much resident memory it added.
+restore: this probe says which part is which, whether a context another process holds (a restore helper's)
+makes a new one cheaper, whether a process that has just freed most of the device's memory (as the instance
+before a benchmark's start has) makes the next context slower, and whether a process that has just written a
+heap the size of the runtime's image into fresh memory (what CRIU's restore does) makes its context more
+slowly. Where criu can checkpoint here (root, criu installed), the same processes are also checkpointed once
+parked and their context made after CRIU restored them, as a process snapshot's runtime makes its own (on a
+GPU machine it is baked without a pid namespace of its own: snapshots/process.py). For each context: its
+thread's CPU time and the part in the kernel, its page faults and waits, and how much resident memory it
+added.
 
     python scripts/probe_cuda_start.py --repeat 5 --out cuda-start-h100.json
 """
@@ -101,6 +103,21 @@ sys.stdin.read()
 """
 
 
+TENANT = r"""
+import ctypes
+cu = ctypes.CDLL("libcuda.so.1")
+assert cu.cuInit(0) == 0
+dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+assert cu.cuDeviceGet(ctypes.byref(dev), 0) == 0
+assert cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) == 0
+assert cu.cuCtxSetCurrent(ctx) == 0
+ptr, gib = ctypes.c_uint64(), 0
+while gib < {gib} and cu.cuMemAlloc_v2(ctypes.byref(ptr), 1 << 30) == 0:
+    gib += 1
+print(gib)
+"""
+
+
 def driver(torch: bool, heap_mib: int = 0, wait: str = "") -> str:
     """The driver probe's code: after importing torch or not, and after writing HEAP_MIB of fresh memory, it
     parks until the code WAIT returns (leading its own process session, so that CRIU can checkpoint it), then
@@ -182,6 +199,17 @@ def repeated(name: str, take: Callable[[], dict], repeat: int) -> dict:
     return {"median": medians(runs), "runs": runs}
 
 
+def after_a_tenant(gib: int, gap_s: float) -> dict:
+    """The driver probe started GAP_S after another process that held GIB of device memory has exited, as a
+    start follows the instance before it (whose KV cache takes most of the GPU's memory) in a benchmark."""
+    tenant = subprocess.run([sys.executable, "-c", TENANT.format(gib=gib)], capture_output=True, text=True,
+                            timeout=300)
+    if tenant.returncode != 0:
+        raise SystemExit(f"probe_cuda_start: the tenant failed: {tenant.stderr.strip()[-400:]}")
+    time.sleep(gap_s)
+    return {**run(driver(torch=False)), "tenant_gib": int(tenant.stdout.strip() or 0)}
+
+
 def beside_another_process(name: str, code: str, context: bool, repeat: int) -> dict:
     """CODE's figures while another process has run cuInit and (CONTEXT) holds a context on the GPU."""
     holder = subprocess.Popen([sys.executable, "-c", HOLD.format(context=context)], stdin=subprocess.PIPE,
@@ -202,6 +230,8 @@ def main() -> None:
     parser.add_argument("--inter", type=int, default=17920)
     parser.add_argument("--heap-mib", type=int, default=293,
                         help="fresh memory written before the context in one arm: the process image's size")
+    parser.add_argument("--tenant-gib", type=int, default=120,
+                        help="device memory a process holds and frees just before one arm's: a KV cache's size")
     parser.add_argument("--out", type=Path, default=Path("cuda-start.json"))
     args = parser.parse_args()
     result = {
@@ -217,6 +247,12 @@ def main() -> None:
             "driver after import torch beside a held context", driver(torch=True), True, args.repeat),
         "driver_beside_a_process_after_cuinit": beside_another_process(
             "driver beside a process that ran cuInit only", driver(torch=False), False, args.repeat),
+        "driver_right_after_a_process_freed_memory": repeated(
+            f"driver right after a process freed {args.tenant_gib} GiB", lambda: after_a_tenant(args.tenant_gib, 0),
+            args.repeat),
+        "driver_3s_after_a_process_freed_memory": repeated(
+            f"driver 3 s after a process freed {args.tenant_gib} GiB", lambda: after_a_tenant(args.tenant_gib, 3),
+            args.repeat),
         "torch_first_ops": measure("torch first ops", TORCH.format(hidden=args.hidden, qkv=args.qkv,
                                                                    inter=args.inter), args.repeat),
         **restored_arms(args.heap_mib, args.repeat),
