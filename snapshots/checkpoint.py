@@ -107,10 +107,10 @@ def dump(criu: Criu, frozen: Frozen, directory: Path, extra: list[str] = ()) -> 
     except CriuError as exc:
         raise SnapshotError(str(exc)) from None
     finally:
+        frozen.release()  # dumped, it is gone; left running by a failed dump, it now ends by itself
         if frozen.wrapper.pid != frozen.pid:
             frozen.wrapper.kill()
         frozen.wrapper.wait()
-        frozen.release()
     return time.time() - started
 
 

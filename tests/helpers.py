@@ -61,3 +61,15 @@ def children_of(pid: int) -> list[int]:
         except FileNotFoundError:  # a thread that ended since the listing
             continue
     return kids
+
+
+def processes_running(marker: bytes, pids: list[int] | None = None) -> list[int]:
+    """Of PIDS (default: every process), those whose command line holds MARKER."""
+    found = []
+    for pid in pids if pids is not None else [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()]:
+        try:
+            if marker in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(pid)
+        except OSError:  # it ended since the listing
+            continue
+    return found

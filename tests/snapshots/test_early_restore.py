@@ -20,7 +20,7 @@ from snapshots.criu import CriuError, find_criu
 from snapshots.image import SnapshotImage
 from snapshots.restore_run import CRIU_OPTIONS, IMAGES, RestoreRun, kill_tree
 from tests.snapshots.test_process_snapshot import cold_text  # noqa: F401  (the module's fixture, shared)
-from tests.helpers import children_of
+from tests.helpers import children_of, processes_running
 from tests.server.conftest import API_KEY, start_server
 from tests.snapshots.conftest import ENGINE_ENV
 from tests.snapshots.test_process_snapshot import boot, greedy_text, health
@@ -158,18 +158,6 @@ def test_a_snapshot_whose_restored_process_still_waits_starts_cold_and_says_why(
         assert health(server)["restore_path"] == "process"
     finally:
         server.stop()
-
-
-def processes_running(marker: bytes, pids: list[int] | None = None) -> list[int]:
-    """Of PIDS (default: every process), those whose command line holds MARKER."""
-    found = []
-    for pid in pids if pids is not None else [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()]:
-        try:
-            if marker in Path(f"/proc/{pid}/cmdline").read_bytes():
-                found.append(pid)
-        except OSError:  # it ended since the listing
-            continue
-    return found
 
 
 def wait_for_criu_restore(server) -> None:

@@ -4,6 +4,7 @@ and the real OpenAI client; and the fallbacks when the snapshot does not fit or 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import httpx
@@ -11,8 +12,13 @@ import xxhash
 import openai
 import pytest
 
+from runtime.config import Settings
+from snapshots.checkpoint import SnapshotError
+from snapshots.criu import find_criu
+from snapshots.handoff import CLAIM_CHECK_S
 from snapshots.image import IMAGES, MANIFEST, SnapshotImage
-from tests.helpers import children_of
+from snapshots.process import bake_process_snapshot
+from tests.helpers import children_of, processes_running
 from tests.server.conftest import API_KEY, start_server
 from tests.snapshots.conftest import BAKE_ONLY, ENGINE_ENV
 
@@ -64,6 +70,26 @@ def test_bake_writes_a_checked_image_with_its_fingerprint(process_snapshot, tiny
     parts = b"".join(xxhash.xxh3_128(data[i:i + part]).digest() for i in range(0, len(data), part))
     assert image.hash == "xxh3-128-parts" and image.digests[pages] == xxhash.xxh3_128(parts).hexdigest()
     assert [p.name for p in process_snapshot.iterdir()] == ["process"]  # no temporary left beside it
+
+
+@pytest.mark.parametrize("pid_namespace", [True, False])
+def test_a_failed_dump_leaves_no_frozen_runtime(tiny_model_dir, tmp_path, monkeypatch, pid_namespace):
+    """criu can fail to dump the runtime the bake froze. Left running, that process would wait for a handoff
+    forever (in a pid namespace of its own), or the bake would wait for it forever (without one)."""
+    criu = tmp_path / "criu"  # its dumps fail; the rest is the real criu
+    criu.write_text(f'#!/bin/sh\nif [ "$1" = dump ]; then echo "Error (criu): no dump here" >&2; exit 1; fi\n'
+                    f'exec {find_criu().path} "$@"\n')
+    criu.chmod(0o755)
+    monkeypatch.setenv("THAWLLM_CRIU", str(criu))
+    before = set(processes_running(b"snapshots.frozen"))
+    settings = Settings.from_env({"MODEL": str(tiny_model_dir), **ENGINE_ENV, **BAKE_ONLY})
+    with pytest.raises(SnapshotError, match="no dump here"):
+        bake_process_snapshot(settings, tiny_model_dir, tmp_path / "snapshots", pid_namespace=pid_namespace)
+    deadline = time.monotonic() + 2 * CLAIM_CHECK_S + 2
+    while set(processes_running(b"snapshots.frozen")) - before:
+        assert time.monotonic() < deadline, "the frozen runtime is still running"
+        time.sleep(0.05)
+    assert not (tmp_path / "snapshots" / "process").exists()
 
 
 def test_restored_runtime_serves_like_a_cold_start(process_snapshot, tiny_model_dir, cold_text, tmp_path):
