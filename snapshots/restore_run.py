@@ -230,7 +230,7 @@ class RestoreRun:
     def _undo_unfinished(self, timeout: float) -> None:
         """Interrupted before criu's outcome was known: let criu finish (it undoes a restore that fails; killed
         midway, it could leave a tree half restored), then kill what it restored. Left running, that process
-        would wait for a handoff forever, holding the snapshot's handoff name."""
+        would wait for a handoff, holding the snapshot's handoff name."""
         try:
             pid, _ = self._finish(timeout)
         except (ChildProcessError, ProcessLookupError):  # criu reaped just before the interrupt: see its pid file

@@ -2,12 +2,13 @@
 over or undone.
 
 Stopped by the signal's default action midway, the bootstrap would leave what CRIU restored running with
-nobody to hand it an instance or supervise it: a process that waits for its handoff forever and holds the
-snapshot's handoff name, so that every later restore of that snapshot in the network namespace fails. So
-from the entry point's first step (runtime/entry.py) until the restore's outcome is known, the two signals
-are only noted. After a hand-over the supervisor forwards the noted one to the restored runtime, which
-drains and exits (snapshots/supervise.py); without one the bootstrap exits with 128 + the signal instead of
-starting fresh (runtime/bootstrap.py).
+nobody to hand it an instance or supervise it: a process that holds the snapshot's handoff name, so that a
+later restore of that snapshot in the network namespace fails, until it finds no restorer and exits
+(snapshots/handoff.py), and the platform's stop would never reach a runtime that drains. So from the entry
+point's first step (runtime/entry.py) until the restore's outcome is known, the two signals are only noted.
+After a hand-over the supervisor forwards the noted one to the restored runtime, which drains and exits
+(snapshots/supervise.py); without one the bootstrap exits with 128 + the signal instead of starting fresh
+(runtime/bootstrap.py).
 
 Imports only `_signal`, which every interpreter has loaded at start: this is on the way to CRIU's first
 instruction (the `signal` module would import `enum`).

@@ -153,7 +153,12 @@ def test_a_snapshot_whose_restored_process_still_waits_starts_cold_and_says_why(
             server.stop()
     finally:
         waiting.undo()
-    server = boot(tmp_path / "after", tiny_model_dir, process_snapshot)  # the name is free again
+    assert_next_start_restores(tmp_path / "after", tiny_model_dir, process_snapshot)  # the name is free again
+
+
+def assert_next_start_restores(tmp_path: Path, model: Path, snapshot_dir: Path) -> None:
+    """A start from SNAPSHOT_DIR restores its process snapshot: nothing left behind holds its handoff name."""
+    server = boot(tmp_path, model, snapshot_dir)
     try:
         assert health(server)["restore_path"] == "process"
     finally:
@@ -171,8 +176,8 @@ def wait_for_criu_restore(server) -> None:
 @pytest.mark.criu
 @pytest.mark.parametrize("command", ["entry", "bootstrap"])
 def test_sigterm_while_criu_restores_leaves_nothing_running(process_snapshot, tiny_model_dir, tmp_path, command):
-    """A platform may stop an instance while it starts. Killed then, the bootstrap would leave what CRIU restored
-    waiting for a handoff forever, holding the snapshot's handoff name: no later restore of it would run."""
+    """A platform may stop an instance while it starts. Stopped then, the bootstrap would leave what CRIU restored
+    waiting for a handoff, holding the snapshot's handoff name, and the stop would not reach the runtime."""
     restored = b"snapshots.frozen"  # what a process restored from a snapshot runs
     before = set(processes_running(restored))
     bootstrap = None if command == "entry" else [sys.executable, "-m", "runtime.bootstrap"]
@@ -185,11 +190,7 @@ def test_sigterm_while_criu_restores_leaves_nothing_running(process_snapshot, ti
     assert "forwarding SIGTERM, which came during the restore" in started.log()
     assert set(processes_running(restored)) <= before
     assert not handoff.name_taken(SnapshotImage.read(process_snapshot / "process").snapshot_id)
-    server = boot(tmp_path, tiny_model_dir, process_snapshot)  # the next start restores
-    try:
-        assert health(server)["restore_path"] == "process"
-    finally:
-        server.stop()
+    assert_next_start_restores(tmp_path, tiny_model_dir, process_snapshot)
 
 
 @pytest.mark.criu
@@ -222,11 +223,7 @@ def test_a_restored_process_whose_bootstrap_was_killed_exits(process_snapshot, t
     finally:
         for pid in set(processes_running(b"snapshots.frozen")) - before:  # later restores need the name
             kill_tree(pid)
-    server = boot(tmp_path, tiny_model_dir, process_snapshot)  # the next start restores
-    try:
-        assert health(server)["restore_path"] == "process"
-    finally:
-        server.stop()
+    assert_next_start_restores(tmp_path, tiny_model_dir, process_snapshot)
 
 
 @pytest.mark.criu
