@@ -270,9 +270,10 @@ class Settings:
         "restored runtime maps it and sets its KV cache and graphs up while the weights arrive, and serves once "
         "they all have (0: the memory comes with the stream's report, and the set-up after it)")
     prime_driver: bool = _setting(
-        "PRIME_DRIVER", _bool, True,
-        "process snapshots on cuda: a short-lived process runs cuInit while CRIU restores the runtime, so that "
-        "the restored runtime's own finds the driver warm (0: the runtime initialises CUDA alone)")
+        "PRIME_DRIVER", _bool, EARLY_DEFAULTS["PRIME_DRIVER"],
+        "process snapshots on cuda: a short-lived process, started right after CRIU, runs cuInit while CRIU "
+        "restores the runtime, so that the restored runtime's own finds the driver warm (0: the runtime "
+        "initialises CUDA alone)")
     early_restore: bool = _setting(
         "EARLY_RESTORE", _bool, EARLY_DEFAULTS["EARLY_RESTORE"],
         "faas-bootstrap starts restoring the CRIU snapshot it would restore first before importing the rest of "

@@ -1,5 +1,6 @@
 """faas-bootstrap's entry point (the container's ENTRYPOINT): starts the restore of the CRIU snapshot the
-bootstrap would restore first (snapshots/early_restore.py says why and what makes it safe), then the reading
+bootstrap would restore first (snapshots/early_restore.py says why and what makes it safe), then, for a
+process snapshot, the driver primer (snapshots/driver_primer.py), then the reading
 into the page cache of the file pages a start from that snapshot touches (snapshots/start_pages.py) and then
 of the weights (runtime/weights/prefetch.py), where they are not there, then imports the bootstrap and runs
 it. From its first step SIGTERM and SIGINT wait until a restore is handed over or undone
@@ -29,6 +30,11 @@ def main(argv: list[str] | None = None) -> int:
 
         stop_during_restore.hold()  # until the restore is handed over or undone (runtime/bootstrap.py)
         kind = early_restore.start(argv, check=not sys.flags.no_site)
+        if kind == "process" and early_flag(argv, os.environ, "PRIME_DRIVER") \
+                and setting(argv, os.environ, "DEVICE") != "cpu":
+            from snapshots import driver_primer
+
+            driver_primer.start()
         pages = None
         if kind is not None and early_flag(argv, os.environ, "PREFETCH_START_PAGES"):
             from snapshots import start_pages

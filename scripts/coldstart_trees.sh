@@ -7,6 +7,9 @@
 # start pages where the tree lists them (docs/snapshots.md). A round
 # runs `faas-bench coldstart --modes process --repeat 1` in each arm, page cache CACHE (warm or dropped: then
 # each start beside its own reference read of the weights). Results in $RESULTS/NAME-ROUND (default results/).
+# IDLE_S (default 0) waits that many seconds before each start: a GPU without a CUDA client for a while makes the
+# next start's driver slower (docs/benchmarks.md, "The CUDA context is the driver's work"), and a start on a
+# function's own GPU comes after such a pause. `scripts/merge_trees.py` gathers a run into one JSON.
 # Run scripts/gpu_suite.sh setup first. DEVICE (default cuda) runs it on another device (DEVICE=cpu: the
 # process snapshot alone is baked, there being no materialized state without a GPU).
 #
@@ -61,6 +64,7 @@ for round in $(seq "$rounds"); do
     for arm in "$@"; do
         name=${arm%%=*} tree=$WORK/${arm%%=*}
         say "round $round: $name"
+        sleep "${IDLE_S:-0}"
         (cd "$tree" && PYTHONPATH="$SITE:$tree" "$PY" -m runtime.bench.cli coldstart --model "$layout" \
             --baseline-model "$model" --snapshot-dir "$tree.snapshots" --device "$DEVICE" --repeat 1 --page-cache "$cache" \
             --modes process --out "$RESULTS/$name-$round")

@@ -3,29 +3,36 @@
 A restored process snapshot holds no CUDA state, so the runtime calls cuInit and makes its context after the
 restore, on the way to its first token. On the H100 machine cuInit took 0.10 s in a bare process and 0.18 s
 in one that had imported torch, but 0.01 s while another process had run cuInit, with or without a context
-(`scripts/probe_cuda_start.py`, docs/benchmarks.md). So a bootstrap that may restore a snapshot onto a GPU
-starts this primer first thing (`snapshots/restore.py: take_over`): its start and cuInit overlap the
-bootstrap's checks and CRIU's restore, and it stays for HOLD_S, long past the restored runtime's own cuInit,
-then exits. It makes no context, so it holds no GPU memory. It runs without `site` (the interpreter starts
-in a few milliseconds) and imports only the driver's ctypes binding.
+(`scripts/probe_cuda_start.py`, docs/benchmarks.md). After the GPU has had no CUDA client for a few seconds,
+the first cuInit takes 0.2 s or more and the context that follows is slower too, unless another process
+holds the driver initialised by then. So the entry point starts this primer right after CRIU, when it
+restores a process snapshot (runtime/entry.py), and a bootstrap that may restore one starts it otherwise
+(`snapshots/restore.py: take_over`): its cuInit overlaps CRIU's restore, and it stays for HOLD_S, long past
+the restored runtime's own cuInit, then exits. It makes no context, so it holds no GPU memory. It runs
+without `site` (the interpreter starts in a few milliseconds) and imports only the driver's ctypes binding.
+
+This module imports only what the entry point has loaded by then: it is on the way to the start pages' and
+the weights' first reads.
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-import time
-from pathlib import Path
-from typing import TYPE_CHECKING
 
+TYPE_CHECKING = False
 if TYPE_CHECKING:
     from runtime.config import Settings
 
 #: seconds the primer stays: the restored runtime calls cuInit within a second of the restore
 HOLD_S = 3.0
+#: the device node that says a GPU driver is there
+DRIVER_NODE = "/dev/nvidiactl"
 #: the package root, for an interpreter started without `site`
-ROOT = str(Path(__file__).resolve().parents[1])
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+#: the primer this process started: one per start, whoever starts it first
+_started: int | None = None
 
 
 def wanted(settings: "Settings") -> bool:
@@ -34,12 +41,33 @@ def wanted(settings: "Settings") -> bool:
             and settings.restore in ("auto", "process"))
 
 
-def start_primer(settings: "Settings") -> subprocess.Popen | None:
-    """Start a primer where it is `wanted` and a GPU driver is there; it ends by itself, and the bootstrap, as
-    the restored runtime's supervisor, reaps it (snapshots/supervise.py)."""
-    if not wanted(settings) or not os.path.exists("/dev/nvidiactl"):
-        return None
-    return subprocess.Popen(primer_command(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+def start_primer(settings: "Settings") -> int | None:
+    """Start the primer where it is `wanted`, unless this start has one already (`start`)."""
+    return start() if wanted(settings) else None
+
+
+def start() -> int | None:
+    """Start the primer once per process where a GPU driver is there; returns its pid. It ends by itself,
+    and a thread of this process reaps it."""
+    global _started
+    if _started is None and os.path.exists(DRIVER_NODE):
+        import threading
+
+        null = os.open(os.devnull, os.O_RDWR)
+        try:
+            _started = os.posix_spawn(sys.executable, primer_command(), os.environ,
+                                      file_actions=[(os.POSIX_SPAWN_DUP2, null, 0), (os.POSIX_SPAWN_DUP2, null, 1)])
+        finally:
+            os.close(null)
+        threading.Thread(target=_reap, args=(_started,), name="driver primer", daemon=True).start()
+    return _started
+
+
+def _reap(pid: int) -> None:
+    try:
+        os.waitpid(pid, 0)
+    except ChildProcessError:  # a restored runtime's supervisor, which reaps every child, came first
+        pass
 
 
 def primer_command() -> list[str]:
@@ -49,6 +77,8 @@ def primer_command() -> list[str]:
 
 
 def main() -> None:
+    import time
+
     from runtime.cuda_driver.device import init_driver
 
     try:

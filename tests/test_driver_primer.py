@@ -26,3 +26,33 @@ def test_a_primer_only_where_a_process_snapshot_may_be_restored_onto_a_gpu(env, 
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     assert wanted(Settings.from_env()) is primed
+
+
+def test_a_start_has_one_primer_and_it_is_reaped_when_it_ends(tmp_path, monkeypatch):
+    import os
+    import time
+
+    from snapshots import driver_primer
+
+    node = tmp_path / "nvidiactl"
+    node.touch()
+    monkeypatch.setattr(driver_primer, "DRIVER_NODE", str(node))
+    monkeypatch.setattr(driver_primer, "_started", None)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # where a GPU is there, the primer ends at once all the same
+    monkeypatch.setenv("MODEL", str(tmp_path))
+    monkeypatch.setenv("SNAPSHOT_DIR", str(tmp_path))
+    pid = driver_primer.start()
+    assert pid is not None and driver_primer.start() == pid
+    assert driver_primer.start_primer(Settings.from_env()) == pid
+    deadline = time.monotonic() + driver_primer.HOLD_S + 30
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{pid}"), "the primer is left a zombie"
+
+
+def test_no_primer_without_a_gpu_driver(tmp_path, monkeypatch):
+    from snapshots import driver_primer
+
+    monkeypatch.setattr(driver_primer, "DRIVER_NODE", str(tmp_path / "nvidiactl"))
+    monkeypatch.setattr(driver_primer, "_started", None)
+    assert driver_primer.start() is None
