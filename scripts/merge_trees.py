@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 
 
@@ -61,8 +60,7 @@ def main() -> None:
     for name, arm in merged["arms"].items():
         median = arm["median"]
         print(f"{name:<12} " + "  ".join(f"{key} {median[key]:g}" for key in
-                                         ("spawn_to_first_token_s", "cuda_init_start_s", "context_s") if key in median),
-              file=sys.stdout)
+                                         ("spawn_to_first_token_s", "cuda_init_start_s", "context_s") if key in median))
 
 
 if __name__ == "__main__":

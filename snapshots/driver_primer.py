@@ -11,8 +11,8 @@ restores a process snapshot (runtime/entry.py), and a bootstrap that may restore
 the restored runtime's own cuInit, then exits. It makes no context, so it holds no GPU memory. It runs
 without `site` (the interpreter starts in a few milliseconds) and imports only the driver's ctypes binding.
 
-This module imports only what the entry point has loaded by then: it is on the way to the start pages' and
-the weights' first reads.
+It is on the way to the start pages' and the weights' first reads, so this module imports only os and sys, and
+threading when it starts the primer (their readers need it next).
 """
 
 from __future__ import annotations
