@@ -18,7 +18,6 @@ added.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import statistics
@@ -32,12 +31,12 @@ from typing import Callable
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from snapshots.criu import Criu, find_criu, restore_blockers  # noqa: E402
-from snapshots.restore_run import CRIU_OPTIONS  # noqa: E402
+from snapshots.restore_run import CRIU_OPTIONS, set_subreaper  # noqa: E402
 
 DRIVER = r"""
 import ctypes, json, mmap, os, resource, sys, time
 if {own_session}:
-    os.setsid()  # CRIU checkpoints a process tree that leads its own process group and session
+    os.setsid()  # CRIU checkpoints a tree whose root called setsid(): its own process group
 if {torch}:
     import torch
 if {heap_mib}:
@@ -120,7 +119,7 @@ print(gib)
 
 def driver(torch: bool, heap_mib: int = 0, wait: str = "") -> str:
     """The driver probe's code: after importing torch or not, and after writing HEAP_MIB of fresh memory, it
-    parks until the code WAIT returns (leading its own process session, so that CRIU can checkpoint it), then
+    parks until the code WAIT returns (after setsid(), so that CRIU can checkpoint it), then
     makes its context."""
     return DRIVER.format(torch=torch, heap_mib=heap_mib, wait=wait, own_session=bool(wait))
 
@@ -173,7 +172,7 @@ def restored_arms(heap_mib: int, repeat: int) -> dict:
     blockers = restore_blockers(criu)
     if criu is None or blockers:
         return {"restored_arms_not_run": blockers or ["no criu found"]}
-    ctypes.CDLL(None).prctl(36, 1)  # PR_SET_CHILD_SUBREAPER: each restored probe becomes our child
+    set_subreaper()  # each restored probe becomes our child
     heap = f"import torch and {heap_mib} MiB written"
     return {
         "driver_restored": repeated(

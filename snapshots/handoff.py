@@ -19,7 +19,7 @@ import socket
 import time
 from dataclasses import asdict, dataclass, field
 
-from snapshots.restore_run import claimed
+from snapshots.restore_run import claimed, name_held
 
 ACK = b"ok"
 _MAX_MESSAGE = 1 << 20
@@ -61,14 +61,7 @@ def listen(snapshot_id: str) -> socket.socket:
 def name_taken(snapshot_id: str) -> bool:
     """Whether another process holds SNAPSHOT_ID's handoff name in this network namespace: one restored from
     the same snapshot still waiting for its handoff. CRIU cannot restore the listener of a second one then."""
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.bind(socket_name(snapshot_id))
-    except OSError:
-        return True
-    finally:
-        probe.close()
-    return False
+    return name_held(socket_name(snapshot_id))
 
 
 def receive(listener: socket.socket, snapshot_id: str

@@ -51,24 +51,34 @@ def claim_name(snapshot_id: str) -> str:
 
 
 def claim(snapshot_id: str) -> "socket | None":
-    """Hold SNAPSHOT_ID's restorer name: an abstract unix socket, which the kernel frees when this process
-    ends, however it ends. A process restored from the snapshot waits for its handoff only while some process
-    holds it (snapshots/handoff.py: `receive`). Returns the socket (close it to let go), or None if another
-    process holds the name."""
+    """Hold SNAPSHOT_ID's restorer name. A process restored from the snapshot waits for its handoff only while
+    some process holds it (snapshots/handoff.py: `receive`). Returns the socket (close it to let go), or None
+    if another process holds the name."""
+    return hold_name(claim_name(snapshot_id))
+
+
+def claimed(snapshot_id: str) -> bool:
+    """Whether some process holds SNAPSHOT_ID's restorer name."""
+    return name_held(claim_name(snapshot_id))
+
+
+def hold_name(name: str) -> "socket | None":
+    """Bind the abstract unix socket NAME, which the kernel frees when this process ends, however it ends.
+    Returns the socket, or None if another process in this network namespace holds the name."""
     import _socket  # not `socket`: its enums are not on the way to CRIU
 
     sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)  # not inherited: criu must not keep it alive
     try:
-        sock.bind(claim_name(snapshot_id))
+        sock.bind(name)
     except OSError:
         sock.close()
         return None
     return sock
 
 
-def claimed(snapshot_id: str) -> bool:
-    """Whether some process holds SNAPSHOT_ID's restorer name."""
-    probe = claim(snapshot_id)
+def name_held(name: str) -> bool:
+    """Whether another process holds the abstract unix socket NAME."""
+    probe = hold_name(name)
     if probe is None:
         return True
     probe.close()
