@@ -15,6 +15,12 @@ system's module locks have one). There the KeyboardInterrupt goes to `sys.unrais
 stack, and the build would go on. So the hook takes a dropped interrupt back: it is asked for again, and the
 watcher's next poke raises it, until one lands where it unwinds the main thread. Never while the hook runs: what
 is raised in the hook is dropped without a second call of it, and the interrupt would be lost for good.
+
+C code can drop it without a report: a C function that calls Python code and clears whatever error comes back
+(`PyDict_GetItem` does, for a key's `__eq__`). So once it has raised, the watcher looks at the main thread every
+0.1 s until the tool's main body has ended: an exception being handled there is the interrupt's way out (a
+`finally`, an `except`, an `__exit__` running its clean-up); none twice in a row, and the interrupt was dropped,
+so it is asked for again.
 """
 
 from __future__ import annotations
@@ -23,13 +29,27 @@ import os
 import signal
 import sys
 import threading
+from contextlib import contextmanager
 from types import CodeType, FrameType
+from typing import Iterator
 
 _POKE = signal.SIGUSR1
+#: how often the watcher looks for the interrupt's way out once it has been raised
+_LOOK_S = 0.1
 
 
-def sigterm_interrupts_main() -> None:
-    """Install the handlers; call once, from the main thread."""
+@contextmanager
+def sigterm_interrupts_main() -> Iterator[None]:
+    """Install the handlers for the tool's main body, which runs inside; enter once, from the main thread."""
+    ended = threading.Event()
+    _install(ended)
+    try:
+        yield
+    finally:
+        ended.set()
+
+
+def _install(ended: threading.Event) -> None:
     requested, raised = threading.Event(), threading.Event()
 
     def interrupt(signum: int, frame: FrameType | None) -> None:
@@ -61,11 +81,31 @@ def sigterm_interrupts_main() -> None:
         while True:
             signums = os.read(read_end, 64)
             if any(s in (signal.SIGTERM, signal.SIGINT) for s in signums):
-                while not raised.is_set():
-                    signal.pthread_kill(main, _POKE)
-                    raised.wait(0.05)
+                while not ended.is_set():
+                    while not raised.is_set():
+                        signal.pthread_kill(main, _POKE)
+                        raised.wait(0.05)
+                    if _dropped(main, ended):
+                        raised.clear()
 
     threading.Thread(target=watch, name="signal-watcher", daemon=True).start()
+
+
+def _dropped(main: int, ended: threading.Event) -> bool:
+    """Whether the main thread handled no exception at two looks _LOOK_S apart while its body had not ended."""
+    for _ in range(2):
+        if ended.wait(_LOOK_S) or _handling(main):
+            return False
+    return True
+
+
+def _handling(thread: int) -> bool:
+    """Whether THREAD is handling an exception (or is gone); Python 3.11 gives (type, value, traceback)."""
+    current = sys._current_exceptions()
+    if thread not in current:
+        return True
+    exc = current[thread]
+    return (exc[0] if isinstance(exc, tuple) else exc) is not None
 
 
 def _inside(frame: FrameType | None, code: CodeType) -> bool:

@@ -249,20 +249,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     setup_logging("info")
     # SIGTERM unwinds like Ctrl-C, through every step's clean-up, so an interrupted build leaves nothing
-    sigterm_interrupts_main()
-    try:
-        build = parse_args(argv)
-        for step in STEPS:
-            step(build)
-    except (BuildError, WeightsError) as exc:
-        print(f"faas-build: {exc}", file=sys.stderr)
-        return 2
-    except BakeFailed as exc:
-        print(f"faas-build: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print("faas-build: interrupted; nothing was left at --out", file=sys.stderr)
-        return INTERRUPTED
+    with sigterm_interrupts_main():
+        try:
+            build = parse_args(argv)
+            for step in STEPS:
+                step(build)
+        except (BuildError, WeightsError) as exc:
+            print(f"faas-build: {exc}", file=sys.stderr)
+            return 2
+        except BakeFailed as exc:
+            print(f"faas-build: {exc}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            print("faas-build: interrupted; nothing was left at --out", file=sys.stderr)
+            return INTERRUPTED
     return 0
 
 

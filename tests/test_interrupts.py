@@ -38,18 +38,25 @@ SCRIPT = textwrap.dedent("""
 
         os.write = write_poked
 
-    sigterm_interrupts_main()
-    print("ready", flush=True)
-    try:
-        while True:
-            if sys.argv[1] == "finalizer":
-                Slow()
-            else:
-                ref = weakref.ref(Plain(), slow_callback)
-            time.sleep(0.004)
-    except KeyboardInterrupt:
-        print("cleaned up", flush=True)
-        sys.exit(130)
+    with sigterm_interrupts_main():
+        print("ready", flush=True)
+        try:
+            if sys.argv[1] == "dropped-once":  # as C code that clears every error would drop it, unreported
+                try:
+                    time.sleep(30)
+                except KeyboardInterrupt:
+                    pass
+                print("went on", flush=True)
+                time.sleep(30)
+            while True:
+                if sys.argv[1] == "finalizer":
+                    Slow()
+                else:
+                    ref = weakref.ref(Plain(), slow_callback)
+                time.sleep(0.004)
+        except KeyboardInterrupt:
+            print("cleaned up", flush=True)
+            sys.exit(130)
 """)
 
 
@@ -84,3 +91,9 @@ def test_a_poke_that_lands_while_the_hook_takes_an_interrupt_back_is_not_lost():
         assert status == 130 and out.strip() == "cleaned up", f"status {status}: {err[-2000:]}"
         poked += "poked in the hook" in err
     assert poked  # the hook took an interrupt back at least once, with a poke inside it
+
+
+def test_an_interrupt_dropped_without_a_report_is_asked_for_again():
+    """Dropped where nothing reports it, the interrupt would leave the tool running after SIGTERM."""
+    status, out, err = interrupt_once("dropped-once")
+    assert status == 130 and out.split() == ["went", "on", "cleaned", "up"], f"status {status}: {err[-2000:]}"
