@@ -1,8 +1,9 @@
 """Where each start of a `faas-bench coldstart` run spent its way to the first token, from its boot log beside
 the run's JSON: the start pages' read, the weights' prefetch (when it was widened to all its threads, when its
-last read ended), when the restore handed over, how much of the weights was in the page cache when the bootstrap
-chose who streams them, when the helper began its stream, and how long after the prefetch's last read the
-runtime was ready. Times are seconds since spawn unless a column says otherwise.
+last read ended, and how much later than the round's reference read of the weights took), when the restore
+handed over, how much of the weights was in the page cache when the bootstrap chose who streams them, when the
+helper began its stream, and how long after the prefetch's last read the runtime was ready. Times are seconds
+since spawn unless a column says otherwise.
 
     python scripts/coldstart_log_timeline.py docs/benchmarks/coldstart-h200-llama-3-8b-dropped.json
 
@@ -43,6 +44,7 @@ class StartTimes:
     cached_at_choice_pct: int | None = None
     helper_stream_start: float | None = None
     prefetch_end: float | None = None
+    prefetch_over_reference_s: float | None = None  # what the prefetch took beyond the round's reference read
     ready: float | None = None
     ready_after_prefetch_s: float | None = None
 
@@ -69,6 +71,8 @@ def read_start(mode: str, run: int, record: dict, log: str) -> StartTimes:
         after = (_clock(ready.group(1)) - _clock(prefetched.group(1))).total_seconds()
         times.ready_after_prefetch_s = round(after, 3)
         times.prefetch_end = round(times.ready - after, 3)
+        if record.get("reference_read_s"):
+            times.prefetch_over_reference_s = round(times.prefetch_end - record["reference_read_s"], 3)
     return times
 
 

@@ -419,6 +419,18 @@ def test_the_log_timeline_reads_every_start_of_a_run_from_its_boot_logs(coldstar
         assert float(row["prefetch_end"]) <= float(row["ready"]) < float(row["spawn_to_first_token"])
         assert float(row["restore_end"]) < float(row["helper_stream_start"]) < float(row["ready"])
     assert "process (median of 6): spawn_to_first_token 9.797" in done.stdout
+    assert {row["prefetch_over_reference_s"] for row in rows} == {""}  # read its reference once, before the starts
+
+    # a run that read the reference every round: how much longer than it the prefetch took, start by start
+    run = "docs/benchmarks/coldstart-h200-llama-3-8b-dropped.json"
+    done = log_timeline(run)
+    assert done.returncode == 0, done.stderr
+    references = [r["reference_read_s"] for r in json.loads((REPO / run).read_text())["modes"]["process"]["runs"]]
+    rows = timeline_rows(done.stdout)
+    assert len(rows) == len(references) == 5
+    for row, reference in zip(rows, references):
+        over = float(row["prefetch_over_reference_s"])
+        assert float(row["prefetch_end"]) - over == pytest.approx(reference, abs=2e-3)
 
     (tmp_path / "logs").mkdir()
     (tmp_path / "run.json").write_text(json.dumps({"modes": {}}))
