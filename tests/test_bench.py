@@ -493,3 +493,26 @@ def test_the_memory_first_touch_probe_times_each_pass_and_refuses_bad_input(tmp_
     for argv, says in ((["--gib", "0"], "less than a page"), (["--idle", "1,x"], "not a list of seconds")):
         bad = subprocess.run([*probe, *argv], cwd=REPO, capture_output=True, text=True, timeout=60)
         assert bad.returncode == 2 and says in bad.stderr
+
+
+def test_reference_read_threads_counts_which_thread_count_read_faster_round_by_round(tmp_path):
+    """scripts/reference_read_threads.py: rounds paired across the two counts, an older run's single reads as one
+    round, a run without both counts named and left out, bad input one line and exit 2."""
+    runs = {
+        "rounds.json": {"disk_read": {"reads_by_threads": {"8": [9.0, 8.0, 9.5], "16": [8.5, 8.2, 9.0]}}},
+        "once.json": {"disk_read": {"seconds_by_threads": {"8": 8.0, "16": 8.4}}},
+        "eight-only.json": {"disk_read": {"seconds_by_threads": {"8": 8.0}}},
+    }
+    for name, report in runs.items():
+        (tmp_path / name).write_text(json.dumps(report))
+    script = [sys.executable, "scripts/reference_read_threads.py"]
+    done = subprocess.run([*script, *(str(tmp_path / name) for name in runs)], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["rounds.json: 16 threads faster in 2 of 3",
+                                        "once.json: 16 threads faster in 0 of 1",
+                                        "eight-only.json: no reads by both 8 and 16 threads",
+                                        "16 threads faster in 2 of 4 pairs, 8 threads in 2"]
+    (tmp_path / "bad.json").write_text("{not json")
+    bad = subprocess.run([*script, str(tmp_path / "bad.json")], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "bad.json" in bad.stderr
