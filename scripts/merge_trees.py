@@ -39,11 +39,14 @@ def merge(results: Path, arms: dict[str, str]) -> dict:
             machine = machine or coldstart["machine"]
             for run in coldstart["modes"]["process"]["runs"]:
                 runs[name].append({"round": int(path.parent.name.rsplit("-", 1)[1]), **start_record(run)})
-    medians = {name: {key: round(statistics.median(r[key] for r in rs), 4)
-                      for key in rs[0] if key != "round" and all(r.get(key) is not None for r in rs)}
-               for name, rs in runs.items()}
-    return {"machine": machine, "arms": {name: {"tree": tree, "median": medians[name], "runs": runs[name]}
+    return {"machine": machine, "arms": {name: {"tree": tree, "median": medians(runs[name]), "runs": runs[name]}
                                          for name, tree in arms.items()}}
+
+
+def medians(runs: list[dict]) -> dict[str, float]:
+    """Each figure's median over RUNS: the figures every run has, the round aside."""
+    return {key: round(statistics.median(r[key] for r in runs), 4)
+            for key in runs[0] if key != "round" and all(r.get(key) is not None for r in runs)}
 
 
 def main() -> None:

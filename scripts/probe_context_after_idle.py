@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from merge_trees import medians  # scripts/ is this script's folder
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -84,8 +85,7 @@ def main() -> None:
                 runs[name].append(arm(args, Path(work) / f"{name}-{round_}"))
     result = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "command": sys.argv,
               "idle_s": args.idle_s, "mode": args.mode,
-              "arms": {name: {"median": {k: round(statistics.median(r[k] for r in rs), 4) for k in rs[0]},
-                              "runs": rs} for name, rs in runs.items()}}
+              "arms": {name: {"median": medians(rs), "runs": rs} for name, rs in runs.items()}}
     for name, arm in result["arms"].items():
         print(f"{name:<5} " + "  ".join(f"{k} {v:g}" for k, v in arm["median"].items()))
     args.out.write_text(json.dumps(result, indent=2))
