@@ -332,6 +332,38 @@ def test_the_disk_sampler_sees_a_command_read_and_summarizes_it_or_says_why_not(
         assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and says in bad.stderr
 
 
+def test_the_process_sampler_charges_a_read_to_the_child_that_made_it_not_to_its_parent(tmp_path):
+    """scripts/sample_reads_by_process.py around a command whose child reads a file from disk: the child's own
+    count holds those bytes, its parent's own count (the kernel adds a reaped child's reads to it) does not, the
+    command's exit status is its own; bad input is one line and exit 2."""
+    path = file_on_disk_only(tmp_path, 32 << 20)
+    repo, out = Path(__file__).resolve().parents[1], tmp_path / "reads.json"
+    child = f"open({str(path)!r}, 'rb').read()"
+    parent = (f"import subprocess, sys, time; time.sleep(0.2); subprocess.run([sys.executable, '-c', {child!r}, "
+              f"'reader']); time.sleep(0.2); sys.exit(3)")
+    done = subprocess.run([sys.executable, "scripts/sample_reads_by_process.py", "--every", "0.01", "--out", str(out),
+                           "--", sys.executable, "-c", parent], cwd=repo, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 3, done.stderr
+    record = json.loads(out.read_text())
+    sys.path.insert(0, str(repo / "scripts"))
+    from sample_reads_by_process import own_reads
+
+    rows = {p["command"]: (own, counted, p["pid"]) for own, counted, p in own_reads(record["processes"])}
+    (reader,) = [v for k, v in rows.items() if k.endswith(" reader")]
+    (command,) = [v for k, v in rows.items() if k.startswith(f"{sys.executable} -c import subprocess")]
+    assert reader[0] >= 32 << 20
+    assert command[1] >= 32 << 20 and command[0] < 16 << 20
+    summary = subprocess.run([sys.executable, "scripts/sample_reads_by_process.py", "--summarize", str(out)],
+                             cwd=repo, capture_output=True, text=True, timeout=60)
+    assert summary.returncode == 0
+    (row,) = [line for line in summary.stdout.splitlines() if line.split("|")[5:6] == [f" {reader[2]} "]]
+    assert float(row.split("|")[1]) >= 32
+    for argv, says in ((["--out", str(out)], "give --out FILE"), (["--summarize", str(path)], "cannot read")):
+        bad = subprocess.run([sys.executable, "scripts/sample_reads_by_process.py", *argv], cwd=repo,
+                             capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and says in bad.stderr
+
+
 def test_the_coldstart_table_says_what_starts_from_a_dropped_page_cache_read(tmp_path):
     from runtime.bench.records import ModeResult, StartRun
     from runtime.bench.report import coldstart_json, coldstart_table
