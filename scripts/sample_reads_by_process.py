@@ -3,7 +3,7 @@ bytes it made the kernel fetch from storage: its reads, its page faults and the 
 every --every seconds, so that a start's reads can be split between the entry point (the start pages and the
 weights' prefetch), criu's restore, the restored runtime's faults, the weights' helper and the driver primer.
 
-    python scripts/sample_reads_by_process.py --out reads.json -- faas-bench coldstart ... --page-cache dropped --repeat 1
+    python scripts/sample_reads_by_process.py --out reads.json -- faas-bench coldstart ... --page-cache dropped
     python scripts/sample_reads_by_process.py --summarize reads.json
 
 Run as root to see every process (another user's /proc/PID/io is unreadable). The kernel adds to a process's
@@ -11,9 +11,9 @@ count what its exited threads and its reaped children read; the summary's `own` 
 as last sampled. A process that exits between two samples keeps what it had read at the last one.
 
 Writes {"command", "every_s", "began_at" (time.time() when it began), "processes": [{"pid", "ppid", "command"
-(its command line as last seen, cut to 300 characters), "first_s", "last_s" (seconds since the command began, first and last
-seen), "reads": [[seconds, read_bytes], ...] (at each change)}]}. Exit 2 with one line on bad input; otherwise
-the command's exit status.
+(its command line as last seen, cut to 300 characters), "first_s", "last_s" (seconds since the command began,
+first and last seen), "reads": [[seconds, read_bytes], ...] (at each change)}]}. Exit 2 with one line on bad
+input; otherwise the command's exit status.
 """
 
 from __future__ import annotations
