@@ -10,10 +10,10 @@ Run as root to see every process (another user's /proc/PID/io is unreadable). Th
 count what its exited threads and its reaped children read; the summary's `own` takes away the children's,
 as last sampled. A process that exits between two samples keeps what it had read at the last one.
 
-Writes {"command", "every_s", "began_at" (time.time() when it began), "processes": [{"pid", "ppid", "command"
-(its command line as last seen, cut to 300 characters), "first_s", "last_s" (seconds since the command began,
-first and last seen), "reads": [[seconds, read_bytes], ...] (at each change)}]}. Exit 2 with one line on bad
-input; otherwise the command's exit status.
+Writes {"command", "every_s", "began_at" (time.time() when it began), "processes": [{"pid", "ppid" (its parent
+as last seen), "command" (its command line as last seen, cut to 300 characters), "first_s", "last_s" (seconds
+since the command began, first and last seen), "reads": [[seconds, read_bytes], ...] (at each change)}]}. Exit 2
+with one line on bad input; otherwise the command's exit status.
 """
 
 from __future__ import annotations
@@ -91,10 +91,9 @@ class Sampler:
             if nbytes is None:
                 continue
             ppid, started = parent_and_start(pid)
-            record = self.processes.get((pid, started))
-            if record is None:
-                record = self.processes[(pid, started)] = {"pid": int(pid), "ppid": ppid, "first_s": now, "reads": []}
+            record = self.processes.setdefault((pid, started), {"pid": int(pid), "first_s": now, "reads": []})
             record["last_s"] = now
+            record["ppid"] = ppid  # as last seen: an orphan's reaper is its parent then
             record["command"] = command_line(pid) or record.get("command", "")  # after an exec, the new one
             if not record["reads"] or record["reads"][-1][1] != nbytes:
                 record["reads"].append([now, nbytes])

@@ -364,6 +364,31 @@ def test_the_process_sampler_charges_a_read_to_the_child_that_made_it_not_to_its
         assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and says in bad.stderr
 
 
+def test_the_process_sampler_takes_an_orphans_reads_from_the_reaper_that_reaped_it(tmp_path):
+    """As a restored runtime is criu's child and then, criu gone, the bootstrap's (a subreaper): a reader whose
+    parent exits before it reads is charged its reads, and the subreaper that reaps it is not."""
+    path = file_on_disk_only(tmp_path, 32 << 20)
+    repo, out = Path(__file__).resolve().parents[1], tmp_path / "reads.json"
+    scripts = {"orphan": f"import time; time.sleep(0.3); open({str(path)!r}, 'rb').read()",
+               "middle": f"import subprocess, sys; subprocess.Popen([sys.executable, {str(tmp_path / 'orphan.py')!r}])",
+               "reaper": ("import ctypes, os, subprocess, sys, time; ctypes.CDLL(None).prctl(36, 1, 0, 0, 0); "
+                          f"subprocess.run([sys.executable, {str(tmp_path / 'middle.py')!r}]); os.wait(); "
+                          "time.sleep(0.2)")}
+    for name, code in scripts.items():
+        (tmp_path / f"{name}.py").write_text(code)
+    done = subprocess.run([sys.executable, "scripts/sample_reads_by_process.py", "--every", "0.01", "--out", str(out),
+                           "--", sys.executable, str(tmp_path / "reaper.py")], cwd=repo, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    sys.path.insert(0, str(repo / "scripts"))
+    from sample_reads_by_process import own_reads
+
+    rows = {Path(p["command"].split()[-1]).stem: (own, counted, p) for own, counted, p in own_reads(
+        json.loads(out.read_text())["processes"]) if p["command"].startswith(f"{sys.executable} {tmp_path}")}
+    assert rows["orphan"][0] >= 32 << 20 and rows["orphan"][2]["ppid"] == rows["reaper"][2]["pid"]
+    assert rows["reaper"][1] >= 32 << 20 and rows["reaper"][0] < 16 << 20
+
+
 def test_the_coldstart_table_says_what_starts_from_a_dropped_page_cache_read(tmp_path):
     from runtime.bench.records import ModeResult, StartRun
     from runtime.bench.report import coldstart_json, coldstart_table
