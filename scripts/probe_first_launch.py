@@ -3,8 +3,9 @@
 A process restored from a process snapshot makes its CUDA context after the restore, so every kernel it launches
 is loaded then, at its first launch, from its library's module (lazy loading). This times, in order, the ops a
 greedy request with log-probabilities took through torch (a float copy, log_softmax, argmax, gather, max), those
-of sampling at a temperature, an index of the prefill's last row, cuBLAS's first call and the projections of a
-161-token prefill of Qwen2-1.5B's shapes: each launched twice, synchronised, in milliseconds. Run it in a fresh
+of sampling at a temperature, Triton's ask of `ptxas --version` for the GPU's architecture, an index of the
+prefill's last row, cuBLAS's first call and the projections of a 161-token prefill of Qwen2-1.5B's shapes: each
+launched (or asked) twice, synchronised, in milliseconds. Run it in a fresh
 process each time (the second run of an op in one process measures nothing):
 
     python scripts/probe_first_launch.py --out first-launch-h200.json
@@ -66,6 +67,17 @@ def probe(vocab: int, hidden: int, intermediate: int, qkv: int, tokens: int) -> 
     run("exponential_", lambda: torch.empty_like(logits).exponential_(generator=generator))
     run("divide", lambda: logits / torch.tensor([0.8], device=device)[:, None])
     run("argmax (bf16)", lambda: logits_bf16.argmax(dim=-1))
+    # Triton's ask of ptxas for this GPU's architecture, at the first launch of a Triton kernel in a process: a
+    # process snapshot is frozen with the answer (runtime/engine/kernels: ask_ptxas_for)
+    try:
+        from triton import knobs
+        from triton.backends.nvidia.compiler import get_ptxas_version
+
+        knobs.nvidia.ptxas  # noqa: B018 - its path and version: asked once a process, before any GPU is known
+        major, minor = torch.cuda.get_device_capability()
+        run("ptxas --version (Triton)", lambda: get_ptxas_version(major * 10 + minor))
+    except (ImportError, RuntimeError):
+        pass  # no Triton, or no ptxas in it
     # the prefill's last row picked by an index, as the engine did before it took a view
     hidden_states = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16)
     last = torch.tensor([tokens - 1], device=device)

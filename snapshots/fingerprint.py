@@ -197,3 +197,22 @@ def _digest(parts: list[tuple[str, str]]) -> str:
 
 def _clip(text: str, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def gpu_capabilities() -> tuple[int, ...]:
+    """The compute capabilities (major * 10 + minor) of the GPUs nvidia-smi lists, each once; () without
+    nvidia-smi or where it fails. It asks the driver in a process of its own: a process about to be
+    checkpointed must not."""
+    import subprocess  # at bake time only: not on a start's way
+
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=compute_cap", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return ()
+    found = set()
+    for line in done.stdout.splitlines() if done.returncode == 0 else ():
+        match = re.fullmatch(r"\s*(\d+)\.(\d)\s*", line)
+        if match:
+            found.add(int(match.group(1)) * 10 + int(match.group(2)))
+    return tuple(sorted(found))

@@ -39,6 +39,11 @@ def build(kind: str, model_dir: Path | None, settings: Settings):
     load_async_backend()
     load_protocols()
     load_restore_path(kind)
+    if kind == "process" and settings.device.startswith("cuda"):
+        from runtime.engine.kernels import ask_ptxas_for
+        from snapshots.fingerprint import gpu_capabilities
+
+        ask_ptxas_for(gpu_capabilities())  # the restored runtime's first launch then runs no program
     if model_dir is None:
         built = build_several(settings)
         trim_host_heap()

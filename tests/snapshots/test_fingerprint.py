@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
+
 from runtime.config import Settings
 from snapshots.criu import Criu, restore_blockers
 from snapshots.fingerprint import current_fingerprint, mismatch, model_hash
@@ -93,3 +95,37 @@ def test_several_models_fingerprint_every_model_by_name_and_their_devices(tiny_m
     assert fixed.placements == "a: cpu:0; b: cpu:1"
     assert mismatch(baked, fingerprint(f"a={llama},b={qwen}", POOL_CPU_DEVICES="2", PLACEMENT="round-robin")) is None
     assert fingerprint(llama).placements == "" and fingerprint(llama).model_hash == model_hash(llama)
+
+
+def test_the_bake_asks_ptxas_once_for_each_architecture_nvidia_smi_lists(tmp_path, monkeypatch):
+    """A process snapshot is frozen with Triton's answer from `ptxas --version` for each GPU architecture here
+    (snapshots/frozen.py), so that the restored runtime's first launch need not run it; without nvidia-smi, or
+    where it fails, there is nothing to ask for."""
+    pytest.importorskip("triton")
+    from triton import knobs
+    from triton.backends.nvidia.compiler import get_ptxas_version
+
+    from runtime.engine.kernels import ask_ptxas_for
+    from snapshots.fingerprint import gpu_capabilities
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert gpu_capabilities() == ()
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\nexit 9\n")
+    smi.chmod(0o755)
+    assert gpu_capabilities() == ()
+    smi.write_text("#!/bin/sh\n[ \"$1 $2\" = '--query-gpu=compute_cap --format=csv,noheader' ] || exit 2\n"
+                   "printf '9.0\\n9.0\\n8.6\\n'\n")
+    assert gpu_capabilities() == (86, 90)
+    monkeypatch.undo()
+    try:
+        knobs.nvidia.ptxas  # noqa: B018
+    except RuntimeError:
+        pytest.skip("this Triton has no ptxas to ask")
+    get_ptxas_version.cache_clear()
+    ask_ptxas_for((86, 90))
+    asked = get_ptxas_version.cache_info()
+    assert asked.currsize == 2
+    assert "ptxas" in get_ptxas_version(90).lower()
+    after = get_ptxas_version.cache_info()
+    assert (after.hits, after.misses) == (asked.hits + 1, asked.misses)

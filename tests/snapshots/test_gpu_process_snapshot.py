@@ -102,14 +102,21 @@ def test_several_models_process_snapshot_serves_like_a_fresh_start(tiny_model, t
     assert served["restored"] == served["fresh"]
 
 
-def test_no_start_after_the_bake_compiles_a_kernel(tiny_model_dir, tmp_path):
+def test_no_start_after_the_bake_compiles_a_kernel_or_runs_ptxas(tiny_model_dir, tmp_path):
     """faas-build compiles every Triton kernel a request runs into the cache the image keeps: neither the start
     it lists the start pages from nor a restored runtime's prompts of any length compile one. A compile costs
-    the request that meets it about half a second, and the compiler's pages would be listed as start pages."""
+    the request that meets it about half a second, and the compiler's pages would be listed as start pages.
+    Nor does the restored runtime run ptxas at all: the version Triton asks of it for the GPU's architecture
+    was asked before the freeze."""
+    from triton import knobs
+
     from tests.server.test_multi_model import faas_build
 
     cache, out, snapshots = tmp_path / "triton-cache", tmp_path / "layout" / "tiny-llama", tmp_path / "snapshots"
-    env = GPU_ENV | {"TRITON_CACHE_DIR": str(cache)}
+    runs, ptxas = tmp_path / "ptxas-runs.txt", tmp_path / "ptxas"
+    ptxas.write_text(f'#!/bin/sh\necho "$*" >> {runs}\nexec {knobs.nvidia.ptxas.path} "$@"\n')
+    ptxas.chmod(0o755)
+    env = GPU_ENV | {"TRITON_CACHE_DIR": str(cache), "TRITON_PTXAS_PATH": str(ptxas)}
     r = faas_build("--model", str(tiny_model_dir), "--out", str(out), "--snapshot-dir", str(snapshots),
                    "--snapshots", "materialized,process", "--time-restores", "0", "--quiet", **env)
     assert r.returncode == 0, r.stderr
@@ -118,6 +125,8 @@ def test_no_start_after_the_bake_compiles_a_kernel(tiny_model_dir, tmp_path):
     compiled = {path: path.stat().st_mtime for path in cache.rglob("*") if path.is_file()}
     assert any(path.suffix == ".cubin" for path in compiled), sorted(compiled)  # the bake compiled into it
     assert not [path.name for path, at in compiled.items() if at > baked_at]
+    assert "--version" in runs.read_text()  # the wrapper is the ptxas the bake ran
+    runs.unlink()
 
     server = start_server(tmp_path, "restored", MODEL=str(out), SNAPSHOT_DIR=str(snapshots), API_KEY=API_KEY,
                           RESTORE="process", **env)
@@ -134,3 +143,4 @@ def test_no_start_after_the_bake_compiles_a_kernel(tiny_model_dir, tmp_path):
         assert server.stop() == 0
     added = sorted(path.name for path in cache.rglob("*") if path.is_file() and path not in compiled)
     assert not added
+    assert not runs.exists(), runs.read_text()

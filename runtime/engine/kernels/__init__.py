@@ -4,6 +4,8 @@ few-token projections, greedy sampling with log-probabilities)."""
 from __future__ import annotations
 
 import importlib
+import subprocess
+from typing import Iterable
 
 #: every module with Triton kernels the engine launches, the weight loader's device checksum included
 KERNEL_MODULES = tuple(f"runtime.engine.kernels.{name}" for name in ("activation", "embedding", "gemv", "norm",
@@ -49,3 +51,20 @@ def prepare_kernels() -> None:
         libcuda_dirs()
     except (AssertionError, OSError):  # no driver on this machine (a CPU image): the GPU start looks it up
         pass
+
+
+def ask_ptxas_for(capabilities: Iterable[int]) -> None:
+    """Triton runs `ptxas --version` once more per GPU architecture, at a process's first launch (the answer is
+    part of every kernel's cache key), and keeps the answer per architecture. Asked here for CAPABILITIES
+    (major * 10 + minor) before a process snapshot is frozen, the restored runtime's first launch runs no program:
+    on the H200 machine from cold disk that program was 25.7 MiB read behind the weights, and from a warm page
+    cache a fork of the runtime (scripts/probe_first_launch.py times the ask)."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas_version
+    except ImportError:  # another Triton version: the restored runtime asks, as it would have
+        return
+    for capability in capabilities:
+        try:
+            get_ptxas_version(capability)
+        except (OSError, RuntimeError, subprocess.CalledProcessError, TypeError):
+            pass  # no ptxas, or a Triton whose ask takes no architecture: the restored runtime asks then
