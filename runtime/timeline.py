@@ -51,9 +51,10 @@ class Stage:
 @contextmanager
 def thread_usage(detail: dict[str, Any], prefix: str) -> Iterator[None]:
     """Add to DETAIL what the calling thread did inside the block: PREFIX_cpu_s (user and system time, page
-    faults included), PREFIX_system_s (of it, in the kernel), PREFIX_faults (minor page faults), PREFIX_waits
-    (times it blocked) and PREFIX_preempted (times the scheduler took the core away). Wall time well above the
-    CPU time is time spent waiting."""
+    faults included), PREFIX_system_s (of it, in the kernel), PREFIX_faults (minor page faults),
+    PREFIX_disk_faults (page faults that waited for a read from storage), PREFIX_waits (times it blocked) and
+    PREFIX_preempted (times the scheduler took the core away). Wall time well above the CPU time is time spent
+    waiting; disk faults say whether some of it was spent on pages of files not in the page cache."""
     before = resource.getrusage(resource.RUSAGE_THREAD)
     try:
         yield
@@ -62,6 +63,7 @@ def thread_usage(detail: dict[str, Any], prefix: str) -> Iterator[None]:
         detail[f"{prefix}_cpu_s"] = round(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, 4)
         detail[f"{prefix}_system_s"] = round(after.ru_stime - before.ru_stime, 4)
         detail[f"{prefix}_faults"] = after.ru_minflt - before.ru_minflt
+        detail[f"{prefix}_disk_faults"] = after.ru_majflt - before.ru_majflt
         detail[f"{prefix}_waits"] = after.ru_nvcsw - before.ru_nvcsw
         detail[f"{prefix}_preempted"] = after.ru_nivcsw - before.ru_nivcsw
 

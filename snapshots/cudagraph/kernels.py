@@ -26,6 +26,7 @@ from runtime.cuda_driver import graphs as cu
 from runtime.cuda_driver.device import private_stream, use_device
 from runtime.engine.model_runner import ModelRunner
 from runtime.logs import get_logger
+from runtime.timeline import thread_usage
 from snapshots.cudagraph.describe import kernel_function
 
 log = get_logger("snapshots.cudagraph")
@@ -100,10 +101,12 @@ class KernelLoad:
     """`load_kernels` on a thread of its own, started before the graphs' description is needed, so that the
     module loads it waits on overlap checking and patching the description. It goes through `batch_sizes` in
     order until `need` has named the kernels and they are all found: each size can load modules of its own
-    that no graph needs. `result()` joins it; `seconds` is how long it ran."""
+    that no graph needs. `result()` joins it; `seconds` is how long it ran, `usage` what its thread did
+    meanwhile (runtime/timeline.py: thread_usage; from cold disk, whether it waited on files' pages)."""
 
     def __init__(self, runner: ModelRunner, batch_sizes: list[int]) -> None:
         self.seconds = 0.0
+        self.usage: dict[str, float] = {}
         self._names: set[str] | None = None
         self._found: dict[str, set[int]] = {}
         self._error: BaseException | None = None
@@ -115,8 +118,9 @@ class KernelLoad:
     def _run(self, runner: ModelRunner, batch_sizes: list[int]) -> None:
         start = time.perf_counter()
         try:
-            use_device(torch.device("cuda", self._device))
-            load_kernels(runner, batch_sizes, self._covers, found=self._found)
+            with thread_usage(self.usage, "early_kernels"):
+                use_device(torch.device("cuda", self._device))
+                load_kernels(runner, batch_sizes, self._covers, found=self._found)
         except BaseException as exc:  # raised again in the thread that asks for the result
             self._error = exc
         self.seconds = time.perf_counter() - start

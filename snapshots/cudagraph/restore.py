@@ -113,6 +113,7 @@ class MaterializedGraphs:
                     found = {}
                 self._handles.update(kernel_handles(found, names))
                 self.timings["early_kernels_s"] = round(early.seconds, 4)
+                self.timings.update(early.usage)
             self.timings["kernels_wait_s"] = round(time.perf_counter() - waited, 4)
             fallbacks, timings = self._build(runner, list(self._graph_set.graphs))
         finally:
