@@ -1,6 +1,8 @@
 """faas-build's list of the file pages a start from a CRIU snapshot touches (snapshots/start_pages.py says why
 and how the entry point reads them): the function started from the snapshot, a short and a longer request
-served, then the pages of files its processes hold, from /proc/PID/pagemap."""
+served, then the pages of files its processes hold, from /proc/PID/pagemap, and the pages of the files it read
+rather than mapped (Triton's: its baked kernels and the libraries it hashes), which are in no page table: those
+files are dropped from the page cache before the start, and what of them is cached after it is what it read."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from pathlib import Path
 from typing import Iterable
 
 from runtime.logs import get_logger
+from runtime.weights.residency import cached_pages
 from runtime.weights.temps import write_atomically
 from snapshots.start_pages import LIST_FILE, FilePages
 
@@ -112,6 +115,78 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def read_folders() -> list[str]:
+    """Folders whose files a start reads rather than maps: Triton's cache (a baked kernel's metadata and binary,
+    read at its first launch in a process, one small file after another) and Triton's package (the libraries
+    its CUDA backend hashes into a kernel's key). From cold disk those reads wait behind the weights' in the
+    disk's queue: the decode graphs' kernel loads once lasted as long as the weights' stream. [] without Triton."""
+    try:
+        import triton
+        from triton import knobs
+    except Exception:  # noqa: BLE001 - no Triton, nothing of it to read
+        return []
+    return [knobs.cache.dir, os.path.dirname(triton.__file__)]
+
+
+def files_under(folders: Iterable[str]) -> list[str]:
+    """The regular files under FOLDERS (symbolic links not followed), sorted."""
+    found = []
+    for folder in folders:
+        for root, _, names in os.walk(folder):
+            found.extend(path for path in (os.path.join(root, n) for n in names)
+                         if os.path.isfile(path) and not os.path.islink(path))
+    return sorted(found)
+
+
+def evict(paths: Iterable[str]) -> None:
+    """Drop PATHS' pages from the page cache, written back first (a dirty page stays), so that what of them is
+    cached after a start is what the start read."""
+    for path in paths:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
+def read_pages(paths: Iterable[str], leave_out: Iterable[str] = ()) -> list[FilePages]:
+    """The pages of PATHS in the page cache, found in windows of GAP_BYTES, as ranges by file: what was read of
+    them since they were `evict`ed. Paths in LEAVE_OUT are left out (files mapped: the start's are listed by
+    touched_pages, and a file mapped anywhere keeps its pages through an eviction). [] where the kernel cannot
+    say what is in the page cache."""
+    leave_out = set(leave_out)
+    window = GAP_BYTES // PAGE
+    listed = []
+    for path in paths:
+        if path in leave_out:
+            continue
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            stat = os.fstat(fd)
+            indices = []
+            for first in range(0, -(-stat.st_size // PAGE), window):
+                cached = cached_pages(fd, first * PAGE, window * PAGE)
+                if cached is None:
+                    return []
+                if cached:
+                    indices.extend(range(first, first + window))
+        finally:
+            os.close(fd)
+        ranges = _ranges(indices, stat.st_size)
+        if ranges:
+            listed.append(FilePages(path, stat.st_size, stat.st_mtime_ns, (), ranges))
+    return listed
+
+
 def write_list(directory: Path, files: list[FilePages], kind: str) -> Path:
     """DIRECTORY/LIST_FILE, written whole or not at all."""
     record = {"kind": kind, "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -127,13 +202,16 @@ def write_list(directory: Path, files: list[FilePages], kind: str) -> Path:
 def record_start_pages(model_dir: Path, snapshot_dir: Path, kind: str, timeout_s: float = 900.0) -> list[FilePages]:
     """Start the function from SNAPSHOT_DIR's KIND snapshot (MODEL=MODEL_DIR, the rest of its settings from
     this environment, as faas-build bakes with), serve two requests (PROMPT_TOKENS), list the file pages its processes
-    then hold (the weights left out: their own prefetch reads them), and write the list beside the snapshot.
+    then hold (the weights left out: their own prefetch reads them) and those it read of `read_folders()`, and
+    write the list beside the snapshot.
     Raises BenchError where the start or the request fails; the snapshot is left as it was."""
     with tempfile.TemporaryDirectory(prefix="start-pages-") as logs:
         files = asyncio.run(_start_and_list(model_dir, snapshot_dir, kind, Path(logs) / f"{kind}.log", timeout_s))
     write_list(snapshot_dir / kind, files, kind)
-    log.info("%s snapshot: a start touched %.1f MiB of %d files; listed in %s", kind,
-             sum(f.bytes for f in files) / 2**20, len(files), LIST_FILE)
+    read = [f for f in files if not f.early]
+    log.info("%s snapshot: a start touched %.1f MiB of %d files (of which it read %.1f MiB of %d rather than "
+             "mapped them); listed in %s", kind, sum(f.bytes for f in files) / 2**20, len(files),
+             sum(f.bytes for f in read) / 2**20, len(read), LIST_FILE)
     return files
 
 
@@ -146,6 +224,8 @@ async def _start_and_list(model_dir: Path, snapshot_dir: Path, kind: str, log_pa
     from runtime.bench.instance import Instance
     from runtime.bench.prompt import PromptMaker
 
+    read = files_under(read_folders())
+    evict(read)
     instance = Instance.spawn(kind, {"MODEL": str(model_dir), "SNAPSHOT_DIR": str(snapshot_dir)}, log_path)
     try:
         async with httpx.AsyncClient() as client:
@@ -157,6 +237,8 @@ async def _start_and_list(model_dir: Path, snapshot_dir: Path, kind: str, log_pa
                                                  every_token=True)
                 if not timing.ok:
                     raise BenchError(f"a request to the {kind} start failed: {timing.error}")
-            return touched_pages(descendants(instance.process.pid), leave_out=[str(model_dir)])
+            touched = touched_pages(descendants(instance.process.pid), leave_out=[str(model_dir)])
+            mapped = {f.path for f in touched} | {path for *_, path in file_mappings(os.getpid())}
+            return touched + read_pages(read, leave_out=mapped)
     finally:
         await instance.stop()

@@ -389,6 +389,35 @@ def test_the_process_sampler_takes_an_orphans_reads_from_the_reaper_that_reaped_
     assert rows["reaper"][1] >= 32 << 20 and rows["reaper"][0] < 16 << 20
 
 
+def test_the_stack_sampler_says_where_a_named_thread_of_a_watched_process_waits(tmp_path):
+    """scripts/sample_thread_stacks.py around a command whose named thread sleeps: the watched process is
+    sampled with each thread's kernel wait channel (and, where py-spy is on the PATH, the summary names the
+    thread's Python frames), the sampler itself is not; the command's exit status is its own; bad input is one
+    line and exit 2."""
+    import shutil
+
+    repo, out = Path(__file__).resolve().parents[1], tmp_path / "stacks.json"
+    code = ("import sys, threading, time; t = threading.Thread(target=time.sleep, args=(1.5,), name='napper'); "
+            "t.start(); t.join(); sys.exit(3)  # watched-by-the-test")
+    done = subprocess.run([sys.executable, "scripts/sample_thread_stacks.py", "--match", "watched-by-the-test",
+                           "--every", "0.2", "--out", str(out), "--", sys.executable, "-c", code], cwd=repo,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 3, done.stderr
+    samples = json.loads(out.read_text())["samples"]
+    assert samples and len({s["pid"] for s in samples}) == 1  # its own command line holds the match too
+    waits = [t["wchan"] for s in samples for t in s["threads"].values()]
+    assert len(samples[-1]["threads"]) >= 2 and any("sleep" in w or "futex" in w for w in waits)
+    summary = subprocess.run([sys.executable, "scripts/sample_thread_stacks.py", "--summarize", str(out), "--thread",
+                              "napper"], cwd=repo, capture_output=True, text=True, timeout=60)
+    assert summary.returncode == 0
+    if shutil.which("py-spy"):
+        assert "time_sleep" in summary.stdout or "sleep" in summary.stdout
+    for argv, says in ((["--out", str(out)], "give --match"), (["--summarize", str(tmp_path)], "sample_thread_stacks")):
+        bad = subprocess.run([sys.executable, "scripts/sample_thread_stacks.py", *argv], cwd=repo,
+                             capture_output=True, text=True, timeout=60)
+        assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and says in bad.stderr
+
+
 def test_the_coldstart_table_says_what_starts_from_a_dropped_page_cache_read(tmp_path):
     from runtime.bench.records import ModeResult, StartRun
     from runtime.bench.report import coldstart_json, coldstart_table

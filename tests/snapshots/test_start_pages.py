@@ -15,7 +15,7 @@ import pytest
 from runtime.weights.residency import cached_bytes
 from snapshots import start_pages
 from snapshots.start_pages import LIST_FILE, FilePages, read_list
-from snapshots.start_pages_record import GAP_BYTES, PAGE, touched_pages, write_list
+from snapshots.start_pages_record import GAP_BYTES, PAGE, evict, files_under, read_pages, touched_pages, write_list
 from tests.test_weights_prefetch import STILL_CACHED
 from tests.test_weights_prefetch import drop_from_page_cache as drop_files
 
@@ -70,6 +70,36 @@ def test_what_a_process_touched_of_a_mapped_file_is_listed(tmp_path):
     assert not covers(pages.early + pages.ranges, 3 * MiB) and not covers(pages.early + pages.ranges, 14 * MiB)
     assert str(path) not in left_out
     assert any(p.endswith(".so") or "python" in p for p in listed if p != str(path))  # the interpreter's own
+
+
+def test_what_a_start_read_of_a_folder_rather_than_mapped_is_listed(tmp_path):
+    """Triton's files are read, not mapped: after `evict`, what is cached of a folder's files is what was read
+    since, in GAP_BYTES windows; a file not read is not listed, nor one left out (mapped); the list reads it
+    back."""
+    folder = tmp_path / "cache" / "kernel"
+    folder.mkdir(parents=True)
+    read, unread, mapped = (data_file(folder / name, 2 * MiB) for name in ("k.cubin", "k.ptx", "lib.so"))
+    paths = files_under([str(tmp_path / "cache")])
+    assert paths == sorted(map(str, (read, unread, mapped)))
+    evict(paths)
+    drop_from_page_cache(read)  # skips where this machine's page cache keeps the files
+    with open(read, "rb") as f:
+        f.seek(1 * MiB)
+        f.read(10 * PAGE)
+    with open(mapped, "rb") as f:
+        f.read()
+    listed = {f.path: f for f in read_pages(paths, leave_out=[str(mapped)])}
+    assert set(listed) == {str(read)}
+    pages = listed[str(read)]
+    assert pages.early == () and covers(pages.ranges, 1 * MiB) and covers(pages.ranges, 1 * MiB + 9 * PAGE)
+    assert not covers(pages.ranges, 0) and pages.bytes <= 4 * GAP_BYTES  # the read, the kernel's read-ahead
+
+    snapshots = tmp_path / "snapshots"
+    write_snapshot_list(snapshots, [pages])
+    evict(paths)
+    reading = start_pages.start(str(snapshots), "process")
+    assert reading is not None and reading.join(30) and reading.error is None
+    assert STILL_CACHED * pages.bytes <= cached_bytes(read) <= pages.bytes and cached_bytes(unread) == 0
 
 
 def write_snapshot_list(snapshot_dir: Path, files: list[FilePages]) -> None:
