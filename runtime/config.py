@@ -269,6 +269,12 @@ class Settings:
         "a helper streaming the weights during a restore hands its device memory over before the stream: the "
         "restored runtime maps it and sets its KV cache and graphs up while the weights arrive, and serves once "
         "they all have (0: the memory comes with the stream's report, and the set-up after it)")
+    embedding_last: bool = _setting(
+        "EMBEDDING_LAST", _bool, EARLY_DEFAULTS["EMBEDDING_LAST"],
+        "a process restore whose weights a helper streams leaves the input embedding table's whole chunks for "
+        "last (a layout with block digests, a table not tied to the output): the runtime serves once the other "
+        "weights are in, reading the rows its steps need from the layout, each block checked, until the rest "
+        "of the table has come (0: every weight before serving)")
     prime_driver: bool = _setting(
         "PRIME_DRIVER", _bool, EARLY_DEFAULTS["PRIME_DRIVER"],
         "process snapshots on cuda: a short-lived process, started right after CRIU, runs cuInit while CRIU "

@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     if starts:
         import os
 
-        from runtime.setting_text import early_flag, setting
+        from runtime.setting_text import FALSE_WORDS, early_flag, setting
         from snapshots import early_restore, stop_during_restore
 
         stop_during_restore.hold()  # until the restore is handed over or undone (runtime/bootstrap.py)
@@ -46,8 +46,13 @@ def main(argv: list[str] | None = None) -> int:
             readers = prefetch.readers(setting(argv, os.environ, "PREFETCH_READERS"))
             during_restore = prefetch.readers(setting(argv, os.environ, "PREFETCH_RESTORE_READERS"),
                                               prefetch.RESTORE_READERS)
+            # a process restore whose weights a helper streams leaves part of the embedding table for last
+            helper = setting(argv, os.environ, "WEIGHTS_DURING_RESTORE")
+            table_last = (kind == "process" and early_flag(argv, os.environ, "EMBEDDING_LAST")
+                          and setting(argv, os.environ, "DEVICE") != "cpu"
+                          and (helper is None or helper.strip().lower() not in FALSE_WORDS + ("never",)))
             prefetch.start(setting(argv, os.environ, "MODEL"), after=pages, readers=readers,
-                           restore_readers=during_restore if kind is not None else None)
+                           restore_readers=during_restore if kind is not None else None, embedding_last=table_last)
     if sys.flags.no_site:
         import site
 

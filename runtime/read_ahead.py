@@ -26,10 +26,12 @@ class ReadAhead:
     these threads wait for first (the disk serves one at a time best). EXACT: exactly the pieces, with no
     read-ahead of the kernel's around them (POSIX_FADV_RANDOM on each file), and a piece already in the page
     cache is not read again. FIRST_READERS: how many of the READERS start at once, the others with `widen()`
-    (fewer large reads in the disk's queue while other small ones must not wait long)."""
+    (fewer large reads in the disk's queue while other small ones must not wait long). LAST: how many of the
+    PIECES, at their end, start only once every piece before them has been read (or failed): those before them
+    then do not share the disk with them."""
 
     def __init__(self, what: str, pieces: list[Piece], readers: int, after: "ReadAhead | None" = None,
-                 exact: bool = False, first_readers: int | None = None) -> None:
+                 exact: bool = False, first_readers: int | None = None, last: int = 0) -> None:
         self.what = what
         self.readers = readers
         self.bytes = sum(length for _, _, length in pieces)
@@ -39,8 +41,11 @@ class ReadAhead:
         self.ended: float | None = None
         self.error: str | None = None
         self.done = threading.Event()
-        self._pieces = iter(pieces)
+        self._pieces = iter(enumerate(pieces))
         self._lock = threading.Lock()
+        self._first_last = len(pieces) - last if last > 0 else None  # the index of the first of the LAST pieces
+        self._read_before_last = 0
+        self._all_before_last = threading.Condition(self._lock)
         self._running = self._threads = 0
         self._announced = False  # logging is set up after the read-ahead starts
         self.first_readers = min(readers, first_readers or readers)
@@ -68,14 +73,24 @@ class ReadAhead:
             buffer = bytearray(READ_BYTES)
             while True:
                 with self._lock:
-                    piece = next(self._pieces, None)
-                if piece is None:
+                    taken = next(self._pieces, None)
+                if taken is None:
                     return
-                path, offset, length = piece
-                if path not in fds:
-                    fds[path] = self._open(path)
-                if not self.exact or not piece_cached(fds[path], offset, length):
-                    _read_piece(fds[path], offset, offset + length, buffer)
+                index, (path, offset, length) = taken
+                if self._first_last is not None and index >= self._first_last:
+                    with self._all_before_last:
+                        self._all_before_last.wait_for(lambda: self._read_before_last >= self._first_last)
+                try:
+                    if path not in fds:
+                        fds[path] = self._open(path)
+                    if not self.exact or not piece_cached(fds[path], offset, length):
+                        _read_piece(fds[path], offset, offset + length, buffer)
+                finally:  # a failed read counts too: nobody waits for a piece that will not come
+                    if self._first_last is not None and index < self._first_last:
+                        with self._all_before_last:
+                            self._read_before_last += 1
+                            if self._read_before_last >= self._first_last:
+                                self._all_before_last.notify_all()
         except OSError as exc:
             self.error = str(exc)
         finally:

@@ -10,7 +10,7 @@ if TYPE_CHECKING:
 #: the defaults of the boolean settings the entry point reads before the bootstrap: runtime/config.py takes
 #: them from here, so that the early read and the bootstrap's parse agree
 EARLY_DEFAULTS = {"EARLY_RESTORE": True, "PREFETCH_WEIGHTS": True, "PREFETCH_START_PAGES": True, "LAZY_PAGES": False,
-                  "CRIU_FEATURE_CACHE": True, "PRIME_DRIVER": True}
+                  "CRIU_FEATURE_CACHE": True, "PRIME_DRIVER": True, "EMBEDDING_LAST": True}
 #: the words a boolean setting is read as (runtime/config.py parses them the same way)
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off", "")

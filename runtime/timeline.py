@@ -28,12 +28,14 @@ KV_CACHE = "kv_cache"
 CUDA_GRAPHS = "cuda_graphs"
 READY = "ready"
 GRAPHS_AFTER_READY = "graphs_after_ready"  # materialised graphs of larger batch sizes, built while serving
+EMBEDDING_AFTER_READY = "embedding_after_ready"  # the embedding table's rows a restore left for after ready
 FIRST_TOKEN = "first_token"
 MODEL_SWITCH = "model_switch"  # several models: the latest switch of a device to another model (runtime/pool)
 
 #: the order stages are printed and drawn in
 STAGE_ORDER = (RUNTIME_INIT, RESTORE, SNAPSHOT_VERIFY, MODEL_SOURCE, TOKENIZER, MODEL_STRUCTURE, KERNEL_PREP,
-               CUDA_INIT, WEIGHTS, KV_CACHE, CUDA_GRAPHS, READY, GRAPHS_AFTER_READY, MODEL_SWITCH, FIRST_TOKEN)
+               CUDA_INIT, WEIGHTS, KV_CACHE, CUDA_GRAPHS, READY, GRAPHS_AFTER_READY, EMBEDDING_AFTER_READY,
+               MODEL_SWITCH, FIRST_TOKEN)
 
 
 @dataclass

@@ -80,7 +80,8 @@ class RestoreHelper:
 
     `close()` stops a helper whose restore failed; `detach()` lets one that restored finish its handover."""
 
-    def __init__(self, weights: Path | None = None, cuda_restore: bool = True, memory_first: bool = True) -> None:
+    def __init__(self, weights: Path | None = None, cuda_restore: bool = True, memory_first: bool = True,
+                 embedding_last: bool = False) -> None:
         if not cuda_restore and weights is None:
             raise ValueError("a helper that restores no CUDA state has only the weights to stream")
         self.restores_cuda = cuda_restore
@@ -93,6 +94,8 @@ class RestoreHelper:
             command += ["--weights", str(weights), "--channel-fd", str(ours.fileno())]
             if not memory_first:
                 command.append("--memory-after-stream")
+            if embedding_last:
+                command.append("--embedding-last")
         self._proc = subprocess.Popen(command, stdin=subprocess.PIPE if cuda_restore else subprocess.DEVNULL,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                       pass_fds=(ours.fileno(),) if ours is not None else ())

@@ -59,14 +59,16 @@ def bake_process_snapshot(settings: Settings, model_dir: Path | None, snapshot_d
     return bake_snapshot("process", settings, model_dir, snapshot_dir, CriuHooks(), pid_namespace)
 
 
-def process_hooks(weights_during_restore: str, lazy_pages: bool, memory_first: bool = True) -> CriuHooks:
+def process_hooks(weights_during_restore: str, lazy_pages: bool, memory_first: bool = True,
+                  embedding_last: bool = False) -> CriuHooks:
     """At boot, a process snapshot of a CUDA engine gets its weights from a helper that streams them while
     CRIU restores (WEIGHTS_DURING_RESTORE; snapshots/weights_during_restore.py): with `auto`, when they are not
     in the page cache. On the H100 machine, from cold disk, the helper read them at the disk's full rate from
     0.7 s after spawn, while the restored runtime's own CUDA context took 1.2-3.3 s to make (its libraries read
     from disk too); from the page cache, the restored runtime loaded them itself 0.3 s sooner: the helper's CUDA
     context takes as long to make as the runtime's, and the copy from the page cache is not what waits.
-    The helper hands its memory over before it streams unless MEMORY_FIRST is False (WEIGHTS_MEMORY_FIRST).
+    The helper hands its memory over before it streams unless MEMORY_FIRST is False (WEIGHTS_MEMORY_FIRST), and
+    with EMBEDDING_LAST leaves the embedding table's whole chunks to the restored runtime.
     Several models: no helper (their weights go into pool memory, mapped only once the pool exists).
     LAZY_PAGES: the restore hands over before the memory is back (snapshots/restore_run.py: LAZY_OPTIONS)."""
     options = list(kind_options("process", lazy_pages))
@@ -95,7 +97,8 @@ def process_hooks(weights_during_restore: str, lazy_pages: bool, memory_first: b
 
         log.info("process snapshot: %s of the weights in the page cache: a helper streams them during the restore",
                  "an unknown share" if cached is None else f"{100 * cached:.0f}%")
-        return RestoreHelper(Path(image.model_dir), cuda_restore=False, memory_first=memory_first)
+        return RestoreHelper(Path(image.model_dir), cuda_restore=False, memory_first=memory_first,
+                             embedding_last=embedding_last)
 
     return CriuHooks(start_restore_helper=start_weights_helper, criu_options=options)
 

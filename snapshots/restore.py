@@ -307,7 +307,8 @@ def _hooks(kind: str, settings: Settings) -> "CriuHooks":
     if kind == "process":
         from snapshots.process import process_hooks
 
-        return process_hooks(settings.weights_during_restore, settings.lazy_pages, settings.weights_memory_first)
+        return process_hooks(settings.weights_during_restore, settings.lazy_pages, settings.weights_memory_first,
+                             settings.embedding_last)
     from snapshots.gpu import gpu_hooks
 
     # raises SkipPath without cuda-bindings

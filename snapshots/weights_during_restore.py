@@ -18,7 +18,9 @@ restored process (`ExportedWeights`): maps that memory at its weight addresses (
 `adopt`) as soon as it arrives, before its contents: a gpu snapshot's reserved range, after the restore
 (`HandedOverWeights`); a process snapshot's new one, in `Engine.start`, in place of the loader, which then
 sets up its KV cache and decode graphs while the weights still arrive (from a cold disk that is most of
-the restore) and serves nothing before the report says that every chunk arrived and passed its check.
+the restore) and serves nothing before the report says that every chunk arrived and passed its check. A
+process snapshot's helper may leave the embedding table's whole chunks out (EMBEDDING_LAST); the report names
+them, and the restored process reads them itself (runtime/engine/embedding_fill.py).
 Anything the helper could not do (no local layout, no exportable memory, a chunk that fails its check)
 arrives as a reason instead, and the restored process streams the weights itself, logging why: into new
 memory at the same addresses, so that no copy the helper left in flight can land on them.
@@ -65,16 +67,21 @@ class StreamReport:
     finished: float = 0.0
     bytes: int = 0
     tiers: dict = field(default_factory=dict)
+    # layout chunks not streamed: the part of the embedding table the restored process reads itself
+    # (EMBEDDING_LAST; runtime/weights/embedding_blocks.py)
+    deferred: list = field(default_factory=list)
 
 
 # -- the helper's side -----------------------------------------------------------------------------------
 
 
-def stream_for_handover(layout_dir: Path, channel: socket.socket, memory_first: bool = True) -> None:
+def stream_for_handover(layout_dir: Path, channel: socket.socket, memory_first: bool = True,
+                        embedding_last: bool = False) -> None:
     """Make exportable memory for the layout at LAYOUT_DIR, hand it over on CHANNEL, stream the layout into
     it, then report; MEMORY_FIRST False hands the memory over only after the stream, right before the report
-    (WEIGHTS_MEMORY_FIRST=0: the restored process then sets up around it once the weights are there). Never
-    raises: a failure is reported to the restored process, which then streams the weights itself."""
+    (WEIGHTS_MEMORY_FIRST=0: the restored process then sets up around it once the weights are there);
+    EMBEDDING_LAST: leave the embedding table's whole chunks to the restored process where the layout lets it.
+    Never raises: a failure is reported to the restored process, which then streams the weights itself."""
     try:
         manifest = _local_manifest(layout_dir)
         started = time.time()
@@ -85,14 +92,15 @@ def stream_for_handover(layout_dir: Path, channel: socket.socket, memory_first: 
     freed = reported = False
     try:
         context_s = round(time.time() - started, 4)
-        report = None if memory_first else _stream(layout_dir, manifest, memory)
+        deferred = _deferred(manifest) if embedding_last else frozenset()
+        report = None if memory_first else _stream(layout_dir, manifest, memory, deferred)
         fd = memory.export()
         try:
             _send(channel, {"memory": asdict(HelperMemory(memory.size, context_s))}, fd)
         finally:
             os.close(fd)
         if report is None:
-            report = _stream(layout_dir, manifest, memory)
+            report = _stream(layout_dir, manifest, memory, deferred)
         if not report.ok:  # its copies stopped and our handle gone before the report: the restored process
             memory.free()  # then frees the memory with its own and maps new memory in its place
             freed = True
@@ -123,20 +131,27 @@ def _local_manifest(layout_dir: Path):
     return manifest
 
 
-def _stream(layout_dir: Path, manifest, memory: "ExportableMemory") -> StreamReport:
-    """Every chunk of the layout into MEMORY, checked on the host; a failure is a report."""
-    from runtime.weights.loader import LoaderOptions, WeightStream
+def _deferred(manifest) -> frozenset[int]:
+    from runtime.weights.embedding_blocks import deferred_chunks
+
+    return deferred_chunks(manifest)
+
+
+def _stream(layout_dir: Path, manifest, memory: "ExportableMemory", deferred: frozenset[int]) -> StreamReport:
+    """Every chunk of the layout but the DEFERRED ones into MEMORY, checked on the host; a failure is a report."""
+    from runtime.weights.loader import LoaderOptions, WeightStream, layout_chunks
     from runtime.weights.sinks import DriverSink
     from runtime.weights.sources import LocalFile
 
+    only = frozenset(range(len(layout_chunks(manifest)))) - deferred if deferred else None
     try:
         sources = [LocalFile(layout_dir / f.name) for f in manifest.files]
         stream = WeightStream(manifest, sources, DriverSink(memory.ptr, memory.size, memory.context),
-                              LoaderOptions(), str(layout_dir)).wait()
+                              LoaderOptions(), str(layout_dir), only).wait()
     except Exception as exc:  # noqa: BLE001 - reported
         return StreamReport(False, reason=f"{type(exc).__name__}: {exc}")
-    return StreamReport(True, started=stream.started, finished=time.time(), bytes=manifest.total_bytes,
-                        tiers=stream.tier_stats())
+    return StreamReport(True, started=stream.started, finished=time.time(), bytes=stream.bytes,
+                        tiers=stream.tier_stats(), deferred=sorted(deferred))
 
 
 class ExportableMemory:
@@ -225,6 +240,7 @@ class ExportedWeights:
         self._memory: HelperMemory | None = None
         self._fd: int | None = None
         self.reason = ""
+        self.deferred: frozenset[int] = frozenset()  # the chunks the helper left to this process, once arrived
 
     def take(self) -> tuple[int, int] | None:
         """The memory's (descriptor, bytes), its weights maybe still arriving; None (why logged)."""
@@ -260,8 +276,9 @@ class ExportedWeights:
         if not message.ok:
             self._not_streamed(message.reason)
             return None
+        self.deferred = frozenset(message.deferred)
         return message.started, message.finished, {"bytes": message.bytes, "during_restore": True,
-                                                   "tiers": message.tiers,
+                                                   "tiers": message.tiers, "deferred_chunks": len(self.deferred),
                                                    "helper_context_s": self._memory.context_s}
 
     def _not_streamed(self, reason: str) -> None:
@@ -344,5 +361,8 @@ if __name__ == "__main__":
     parser.add_argument("--weights", type=Path, required=True, help="the layout to stream")
     parser.add_argument("--channel-fd", type=int, required=True, help="the socket to hand the weights over on")
     parser.add_argument("--memory-after-stream", action="store_true", help="hand the memory over with the report")
+    parser.add_argument("--embedding-last", action="store_true",
+                        help="leave the embedding table's whole chunks to the restored process")
     args = parser.parse_args()
-    stream_for_handover(args.weights, socket.socket(fileno=args.channel_fd), not args.memory_after_stream)
+    stream_for_handover(args.weights, socket.socket(fileno=args.channel_fd), not args.memory_after_stream,
+                        args.embedding_last)

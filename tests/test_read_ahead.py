@@ -44,6 +44,27 @@ def test_a_read_ahead_after_another_waits_for_its_end(tmp_path):
     assert second.bytes == 4 * MiB and second.ended >= first.ended
 
 
+def test_the_last_pieces_wait_until_every_piece_before_them_is_read(tmp_path):
+    """The embedding table's pieces, last of a restore's prefetch: none is read while a piece before them is
+    still in flight, whichever thread is free; a piece before them that fails lets them go."""
+    blocked = tmp_path / "slow"
+    os.mkfifo(blocked)  # its open blocks until a writer opens it: a piece in flight for as long as the test says
+    other, table = tmp_path / "other.bin", tmp_path / "table.bin"
+    for path in (other, table):
+        path.write_bytes(os.urandom(4 * MiB))
+    drop_from_page_cache([str(other), str(table)])
+
+    reading = ReadAhead("weights prefetch", [(str(blocked), 0, 4096), (str(other), 0, 4 * MiB),
+                                             (str(table), 0, 4 * MiB)], 2, last=1)
+    time.sleep(0.5)
+    assert cached_bytes(other) >= STILL_CACHED * 4 * MiB  # the free thread read what came before the table
+    assert cached_bytes(table) == 0 and not reading.done.is_set()
+
+    os.close(os.open(blocked, os.O_WRONLY))  # the slow piece's open returns; a pipe cannot be read at an offset
+    assert reading.join(30)
+    assert cached_bytes(table) >= STILL_CACHED * 4 * MiB and reading.error is not None
+
+
 def test_the_probe_reads_pages_then_weights_each_way_or_says_why_not(tmp_path, tiny_model):
     """scripts/probe_read_ahead_beside_python.py, from a dropped page cache, alone and beside Python: the layout
     ends up in the page cache each way; a way it cannot parse is one line and exit 2."""

@@ -151,7 +151,7 @@ def _parser() -> argparse.ArgumentParser:
                            "process-lazy: process with LAZY_PAGES=1; cold-unprefetched, process-unprefetched: cold, "
                            "process with PREFETCH_WEIGHTS=0; process-site, cold-site: process, cold started after "
                            "site, as the faas-bootstrap script starts; process-probing, gpu-probing: process, gpu "
-                           "with CRIU_FEATURE_CACHE=0)")
+                           "with CRIU_FEATURE_CACHE=0; process-whole-table: process with EMBEDDING_LAST=0)")
     cold.add_argument("--repeat", type=_positive(int), default=3, help="runs per mode (3)")
     cold.add_argument("--page-cache", choices=("warm", "dropped"), default="warm",
                       help="warm: files read once before the runs; dropped: drop_caches before each (root)")

@@ -24,7 +24,8 @@ ALL_MODES = SERVER_MODES + (BASELINE_MODE,)
 #: process-8-readers prefetches the weights on 8 threads rather than 16 (PREFETCH_READERS); process-memory-last
 #: has the weights' helper hand its memory over only with the stream's report (WEIGHTS_MEMORY_FIRST=0);
 #: process-site and cold-site start the entry point after `site`, as the `faas-bootstrap` script does (SITE_FIRST);
-#: process-probing and gpu-probing leave criu to probe the kernel's features itself (CRIU_FEATURE_CACHE=0)
+#: process-probing and gpu-probing leave criu to probe the kernel's features itself (CRIU_FEATURE_CACHE=0);
+#: process-whole-table has the weights' helper stream the whole embedding table before serving (EMBEDDING_LAST=0)
 VARIANTS = {"process-site": ("process", {}),
             "cold-site": ("cold", {}),
             "process-lazy": ("process", {"LAZY_PAGES": "1"}),
@@ -42,7 +43,8 @@ VARIANTS = {"process-site": ("process", {}),
             "process-during": ("process", {"WEIGHTS_DURING_RESTORE": "1"}),
             "process-unprimed": ("process", {"PRIME_DRIVER": "0"}),
             "process-probing": ("process", {"CRIU_FEATURE_CACHE": "0"}),
-            "gpu-probing": ("gpu", {"CRIU_FEATURE_CACHE": "0"})}
+            "gpu-probing": ("gpu", {"CRIU_FEATURE_CACHE": "0"}),
+            "process-whole-table": ("process", {"EMBEDDING_LAST": "0"})}
 SITE_FIRST = ("process-site", "cold-site")
 
 

@@ -16,7 +16,7 @@ import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import AsyncIterator, Callable, Protocol
+from typing import TYPE_CHECKING, AsyncIterator, Callable, Protocol
 
 import torch
 
@@ -46,6 +46,12 @@ from runtime.engine.weight_plan import WeightPlan, plan_weights
 from runtime.logs import get_logger
 from runtime.timeline import Timeline, thread_usage
 
+if TYPE_CHECKING:
+    from runtime.engine.embedding_fill import EmbeddingFill
+    from runtime.weights.embedding_blocks import EmbeddingBlocks
+    from runtime.weights.errors import WeightsError
+    from runtime.weights.manifest import Manifest
+
 log = get_logger("engine")
 
 DEFAULT_MAX_MODEL_LEN = 4096
@@ -53,6 +59,8 @@ DEFAULT_MAX_MODEL_LEN = 4096
 STALL_WAIT_S = 0.002
 #: the longest the graph work left for after ready waits for the engine to be idle, per piece of work
 GRAPHS_STEP_ASIDE_S = 0.5
+#: the rest of a deferred embedding table is read once a step has run, or this long after ready without one
+FILL_AFTER_READY_S = 0.5
 
 
 class WeightLoad(Protocol):
@@ -100,6 +108,9 @@ class WeightHandover(Protocol):
         """Block until every weight is in the memory and checked: (time.time() the weights started and
         finished arriving, the timeline's detail); None (why is logged) if they did not all arrive: the
         memory is not used, and the engine streams the weights itself."""
+
+    #: once arrived: the layout chunks the other process left out (EMBEDDING_LAST), for this one to read
+    deferred: frozenset[int]
 
 
 @dataclass
@@ -150,6 +161,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._in_flight: _Step | None = None
         self._steps = self._steps_run_ahead = 0
+        self.embedding_fill: "EmbeddingFill | None" = None  # rows of the table still to read (EMBEDDING_LAST)
 
     # -- construction ------------------------------------------------------------------------------
 
@@ -249,12 +261,16 @@ class Engine:
                 self._prepare_graphs(runner, graph_restorer)
                 beside = False
             waited = time.time()
+            # read while the weights arrive: from a busy disk the file waits behind the weights' reads
+            blocks = self._embedding_blocks() if self._may_defer_embedding() else None
             arrived = handover.arrived()
             if arrived is None:  # the helper's copies may still land there: stream into new memory instead
                 runner.allocator.releasable("weights").replace_adopted()
         if arrived is not None:
             started, finished, detail = arrived
             t.record(stages.WEIGHTS, started, finished, **detail, waited_s=round(time.time() - waited, 4))
+            if handover.deferred:
+                self.defer_embedding(handover.deferred, buffer, blocks=blocks)
         else:
             with t.stage(stages.WEIGHTS, bytes=self.plan.total_bytes) as weights_stage:  # ended even if it fails
                 load = self._load_weights(self.plan, buffer)
@@ -282,6 +298,48 @@ class Engine:
             self._graphs_thread = threading.Thread(target=self._restore_pending_graphs, args=(graph_restorer,),
                                                    name="graphs-after-ready", daemon=True)
             self._graphs_thread.start()
+
+    def defer_embedding(self, deferred: frozenset[int], buffer: torch.Tensor, fill_now: bool = True,
+                        blocks: "EmbeddingBlocks | WeightsError | None" = None) -> None:
+        """The layout chunks DEFERRED (part of the embedding table) are not in BUFFER yet: serve while they are
+        read (runtime/engine/embedding_fill.py), in the background unless FILL_NOW is False (then only the
+        rows steps need, until `embedding_fill.start()`). BLOCKS: the layout's block digests, or why they
+        could not be read, if read already. Where they cannot be used, read the chunks now, as the weights
+        stream would have."""
+        from runtime.engine.embedding_fill import EmbeddingFill
+
+        blocks = blocks or self._embedding_blocks()
+        if isinstance(blocks, Exception):
+            log.warning("embedding table: %s; reading the rest of it before serving", blocks)
+            self._load_weights(self.plan, buffer, only=deferred).wait()
+            return
+        self.embedding_fill = fill = EmbeddingFill(blocks, self._manifest(), deferred, buffer, self.timeline)
+        if fill_now:
+            fill.start(after_first_step_s=FILL_AFTER_READY_S)
+
+    def _manifest(self) -> "Manifest":
+        from runtime.weights.manifest import Manifest
+
+        return getattr(self._load_weights, "manifest", None) or Manifest.read(self.model_dir)
+
+    def _embedding_blocks(self) -> "EmbeddingBlocks | WeightsError":
+        """The layout's embedding block digests, or why they cannot be used."""
+        from runtime.weights.embedding_blocks import EmbeddingBlocks
+        from runtime.weights.errors import WeightsError
+
+        try:
+            return EmbeddingBlocks.read(self.model_dir, self._manifest())
+        except WeightsError as exc:
+            return exc
+
+    def _may_defer_embedding(self) -> bool:
+        from runtime.weights.embedding_blocks import BLOCKS_FILE
+        from runtime.weights.errors import WeightsError
+
+        try:
+            return BLOCKS_FILE in self._manifest().model_files
+        except (OSError, WeightsError):  # not a layout: nothing is deferred
+            return False
 
     def _weight_buffer(self, runner: ModelRunner, releasable: bool, handover: WeightHandover | None,
                        ) -> tuple[torch.Tensor, bool]:
@@ -462,6 +520,8 @@ class Engine:
             self._inbox.put(("stop", None))
             self._thread.join(timeout=10)
             self._thread = None
+        if self.embedding_fill is not None:
+            self.embedding_fill.stop()
         self.ready = False
         self.runner = None
         self.model = build_on_meta(self.model_config)  # drop the parameters' views of the weight buffer
@@ -539,10 +599,14 @@ class Engine:
             if ahead is not None:
                 self._settle(ahead)
             return ahead is not None
+        if self.embedding_fill is not None and not self._rows_in(batch):
+            return True
         logits = self.runner.execute(batch, self.blocks, ahead.pending() if ahead is not None else None)
         seqs = batch.sampling_seqs
         step = self._launched(batch, seqs, self.sampler(logits, seqs) if seqs else None)
         self._steps += 1
+        if self.embedding_fill is not None:
+            self.embedding_fill.stepped()
         if ahead is not None:
             self._steps_run_ahead += 1
             self._settle(ahead)
@@ -554,12 +618,37 @@ class Engine:
             self._settle(step)
         return True
 
+    def _rows_in(self, batch: ScheduledBatch) -> bool:
+        """The embedding rows of the batch's tokens are in the table (no step runs ahead while some are not:
+        its tokens must be known). False: some failed their check, and the requests that needed them failed."""
+        from runtime.engine.embedding_fill import BadRows
+
+        fill = self.embedding_fill
+        if fill.complete.is_set():
+            self.embedding_fill = None
+            fill.close()
+            return True
+        wanted = {}
+        for seq, n, sample in zip(batch.seqs, batch.num_new_tokens, batch.samples):
+            start = seq.num_computed_tokens
+            wanted[seq] = [seq.last_token] if n == 1 and sample else seq.tokens_between(start, start + n)
+        try:
+            fill.ensure(token for tokens in wanted.values() for token in tokens)
+        except BadRows as exc:
+            for seq, tokens in wanted.items():
+                if exc.rows.intersection(tokens):
+                    self._fail(seq.request_id, exc)
+            return False
+        return True
+
     def _may_run_ahead(self, step: _Step) -> bool:
         """Whether the next step may be launched before `step`'s tokens are read: not when a sequence ends by
         length at `step` (known in advance: no step is wasted on it). Waiting requests may join: a prefill
         never holds a PENDING token (a preempted sequence is settled before it can be scheduled again), and
         the penalties count tokens on the device (runtime/engine/penalties.py). Nor when a sequence has a
         grammar: its next mask follows from the token this step chooses."""
+        if self.embedding_fill is not None:  # the next step's rows are read by its tokens
+            return False
         return not any(seq.grammar is not None or index + 1 >= seq.params.max_tokens
                        or seq.num_prompt_tokens + index + 1 >= self.max_model_len
                        for seq, index in zip(step.seqs, step.indices))

@@ -24,6 +24,7 @@ from runtime.engine.model_config import ModelConfig
 from runtime.engine.weight_plan import ITEMSIZES, PlannedTensor, WeightPlan, plan_weights, torch_dtype
 from runtime.logs import get_logger
 from runtime.weights.device_checksum import ChunkSum
+from runtime.weights.embedding_blocks import BLOCKS_FILE, write_block_digests
 from runtime.weights.errors import WeightsError
 from runtime.weights.file_digest import file_digests
 from runtime.weights.manifest import (
@@ -149,7 +150,7 @@ def _write_local(model_dir: Path, out: Path, dtype: str, file_bytes: int, chunk_
     plan = plan_weights(ModelConfig.from_dir(model_dir), dtype)
     out.mkdir(parents=True)
     groups = split_into_files(plan, file_bytes)
-    files, tensors = [], []
+    files, tensors, blocks = [], [], False
     bar = tqdm(total=plan.total_bytes, desc="write layout", unit="B", unit_scale=True, disable=not progress)
     with _SafetensorsDir(model_dir) as source:
         for i, (start, end, planned) in enumerate(groups):
@@ -157,6 +158,7 @@ def _write_local(model_dir: Path, out: Path, dtype: str, file_bytes: int, chunk_
             _write_file(out / name, start, end, planned, source, torch_dtype(dtype), bar)
             digests, device_sums = hash_chunks(out / name, chunk_bytes, hash, device_sums=start % 4 == 0)
             files.append(FileEntry(name, start, end - start, chunk_bytes, digests, device_sums))
+            blocks = write_block_digests(out, plan, files[-1], hash) or blocks  # before on_file moves it away
             tensors += [TensorEntry(t.name, dtype, t.shape, name, t.offset - start, t.nbytes) for t in planned]
             if on_file is not None:
                 on_file(out / name)
@@ -164,6 +166,7 @@ def _write_local(model_dir: Path, out: Path, dtype: str, file_bytes: int, chunk_
     copied = [n for n in MODEL_FILES if (model_dir / n).is_file()]
     for name in copied:
         shutil.copyfile(model_dir / name, out / name)
+    copied += [BLOCKS_FILE] if blocks else []
     digests = file_digests([out / n for n in copied], hash) if copied else {}
     manifest = Manifest(FORMAT_VERSION, dtype, plan.alignment, hash, source_hash, plan, tuple(files),
                         tuple(tensors), {n: digests[out / n] for n in copied})

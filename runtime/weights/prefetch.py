@@ -8,7 +8,10 @@ layout's order (the order every stream reads them in), right after the start pag
 (snapshots/start_pages.py), they are there when the stream comes, or being read: the kernel then waits for the
 same read rather than starting another. Nothing waits for the prefetch itself. While a CRIU restore the entry
 point started is under way, only RESTORE_READERS of the threads read (PREFETCH_RESTORE_READERS); the bootstrap
-`widen`s it to all of them once the restore has handed over, or once it knows that it restores nothing.
+`widen`s it to all of them once the restore has handed over, or once it knows that it restores nothing. A
+process restore that serves before the embedding table is in (EMBEDDING_LAST) has the table's pieces read last,
+each started only once every other piece has been read: the other weights, which the first token waits for,
+do not share the disk with them.
 
 It is left out where it cannot help: the weights in the page cache already (runtime/weights/residency.py, or
 a kernel that cannot say), more of them than the memory available (they would evict each other), a model
@@ -42,21 +45,50 @@ PIECE_BYTES = 64 << 20
 MEMORY_SHARE = 0.8
 
 
-def pieces(files: list[tuple[str, int]]) -> list[Piece]:
-    """FILES ((path, size), in the layout's order) in pieces of PIECE_BYTES."""
-    return [(path, offset, min(PIECE_BYTES, size - offset)) for path, size in files
-            for offset in range(0, size, PIECE_BYTES)]
+def pieces(files: list[tuple[str, int]], last: tuple[str, int, int] | None = None) -> list[Piece]:
+    """FILES ((path, size), in the layout's order) in pieces of PIECE_BYTES; those inside LAST (a path and its
+    bytes [start, end): the embedding table's part a restore reads last) after all the others."""
+    first, later = _split(files, last)
+    return first + later
+
+
+def _split(files: list[tuple[str, int]], last: tuple[str, int, int] | None) -> tuple[list[Piece], list[Piece]]:
+    every = [(path, offset, min(PIECE_BYTES, size - offset)) for path, size in files
+             for offset in range(0, size, PIECE_BYTES)]
+    if last is None:
+        return every, []
+    path, start, end = last
+    later = [p for p in every if p[0] == path and p[1] >= start and p[1] + p[2] <= end]
+    return [p for p in every if p not in later], later
 
 
 def layout_files(model: str) -> list[tuple[str, int]] | None:
     """The weight files of MODEL, a faas-build layout directory, from its manifest; None if it is not one."""
+    found = _layout(model, embedding_last=False)
+    return None if found is None else found[0]
+
+
+def _layout(model: str, embedding_last: bool) -> tuple[list[tuple[str, int]], tuple[str, int, int] | None] | None:
+    """MODEL's weight files and, with EMBEDDING_LAST, the part of its embedding table a restore reads last
+    (runtime/weights/embedding_blocks.py) or None; None if MODEL is not a local faas-build layout. The table's
+    block digests, which the restored runtime reads while the weights arrive, come first of the files then."""
     if not model or "://" in model:
         return None
     directory = os.path.expanduser(model)
     try:
         with open(os.path.join(directory, "manifest.json")) as f:
-            entries = json.load(f)["files"]
-        return [(os.path.join(directory, e["name"]), int(e["size"])) for e in entries]
+            manifest = json.load(f)
+        files = [(os.path.join(directory, e["name"]), int(e["size"])) for e in manifest["files"]]
+        last = None
+        if embedding_last:
+            from runtime.weights.embedding_blocks import BLOCKS_FILE, raw_deferred_span
+
+            span = raw_deferred_span(manifest)
+            if span is not None:
+                last = (os.path.join(directory, span[0]), span[1], span[2])
+                digests = os.path.join(directory, BLOCKS_FILE)
+                files.insert(0, (digests, os.stat(digests).st_size))
+        return files, last
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -116,16 +148,21 @@ def readers(text: str | None, default: int = READERS) -> int:
 
 
 def start(model: str | None, after: ReadAhead | None = None, readers: int = READERS,
-          restore_readers: int | None = None) -> ReadAhead | None:
+          restore_readers: int | None = None, embedding_last: bool = False) -> ReadAhead | None:
     """Start prefetching MODEL's weights (`current`) on READERS threads, once AFTER has been read if given,
-    else say why not (`skipped`); on RESTORE_READERS of them until `widen()`. Never raises."""
+    else say why not (`skipped`); on RESTORE_READERS of them until `widen()`; with EMBEDDING_LAST (a process
+    restore that may defer part of the table) that part last. Never raises."""
     global current, skipped
     current = skipped = None
     try:
-        files = layout_files(model or "")
-        skipped = "not a local faas-build layout" if files is None else why_not(files)
+        found = _layout(model or "", embedding_last)
+        skipped = "not a local faas-build layout" if found is None else why_not(found[0])
         if skipped is None:
-            current = ReadAhead("weights prefetch", pieces(files), readers, after, first_readers=restore_readers)
+            first, later = _split(*found)
+            # the table's pieces wait until every other piece is in: the last of the other weights, which the
+            # first token waits for, then has the disk to itself
+            current = ReadAhead("weights prefetch", first + later, readers, after, first_readers=restore_readers,
+                                last=len(later))
     except Exception as exc:  # noqa: BLE001 - the weights are read by whoever streams them, as without it
         skipped = f"{type(exc).__name__}: {exc}"
     return current

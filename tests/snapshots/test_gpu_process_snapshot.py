@@ -1,7 +1,8 @@
 """A process snapshot of a CUDA engine on the GPU machine: restored by faas-bootstrap, it makes its CUDA
 context the moment it resumes, gets its weights from a helper that streams them during the restore (when they
-are not in the page cache, or WEIGHTS_DURING_RESTORE=1) or loads them itself (in the page cache: auto), and
-serves the same greedy tokens and logprobs as a cold start on the same GPU."""
+are not in the page cache, or WEIGHTS_DURING_RESTORE=1) or loads them itself (in the page cache: auto), the
+helper leaving the embedding table's whole chunks for after ready unless EMBEDDING_LAST=0, and serves the same
+greedy tokens and logprobs as a cold start on the same GPU."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ def test_process_snapshot_serves_like_a_cold_start(tiny_model_dir, tmp_path):
     from runtime.weights.layout import write_layout
 
     layout = tmp_path / "layout" / "tiny-llama"
-    write_layout(str(tiny_model_dir), str(layout), dtype="bfloat16", file_bytes=1 << 20, chunk_bytes=1 << 18,
+    # 16 KiB chunks: the 64 KiB embedding table holds four whole ones, which the helper leaves for last
+    write_layout(str(tiny_model_dir), str(layout), dtype="bfloat16", file_bytes=1 << 20, chunk_bytes=1 << 14,
                  progress=False)
     snapshot_dir = tmp_path / "snapshots"
     settings = Settings.from_env({"MODEL": str(layout), "SNAPSHOT_DIR": str(snapshot_dir), **GPU_ENV})
@@ -42,17 +44,24 @@ def test_process_snapshot_serves_like_a_cold_start(tiny_model_dir, tmp_path):
 
     served, states = {}, {}
     # the layout was just written: in the page cache, so auto leaves the weights to the restored runtime
-    for name, restore, during in (("cold", "cold", "auto"), ("auto", "process", "auto"), ("helper", "process", "1")):
+    for name, restore, during, table_last in (("cold", "cold", "auto", "1"), ("auto", "process", "auto", "1"),
+                                              ("helper", "process", "1", "1"), ("whole-table", "process", "1", "0")):
         server = start_server(tmp_path, name, MODEL=str(layout), SNAPSHOT_DIR=str(snapshot_dir), API_KEY=API_KEY,
-                              RESTORE=restore, WEIGHTS_DURING_RESTORE=during, **GPU_ENV)
+                              RESTORE=restore, WEIGHTS_DURING_RESTORE=during, EMBEDDING_LAST=table_last, **GPU_ENV)
         try:
             server.wait_ready(timeout=300)
-            states[name] = state = httpx.get(f"{server.url}/health", timeout=5).json()
-            assert state["restore_path"] == restore, state
+            assert httpx.get(f"{server.url}/health", timeout=5).json()["restore_path"] == restore
             served[name] = greedy_tokens(server)
+            states[name] = httpx.get(f"{server.url}/health", timeout=5).json()
         finally:
             assert server.stop() == 0
-    for name in ("auto", "helper"):
+    # the helper left the table's four whole chunks to the restored runtime, which read them after ready
+    helper = stage(states["helper"], "weights")["detail"]
+    assert helper["deferred_chunks"] == 4, helper
+    assert stage(states["helper"], "embedding_after_ready")["detail"]["bytes"] == 4 << 14, states["helper"]
+    assert stage(states["whole-table"], "weights")["detail"]["deferred_chunks"] == 0
+    assert not any(s["stage"] == "embedding_after_ready" for s in states["whole-table"]["stages"])
+    for name in ("auto", "helper", "whole-table"):
         state = states[name]
         # the context was made by a thread started as the restored runtime resumed, before the engine's start
         cuda_init = stage(state, "cuda_init")
@@ -60,11 +69,12 @@ def test_process_snapshot_serves_like_a_cold_start(tiny_model_dir, tmp_path):
         assert cuda_init["start_s"] <= stage(state, "restore")["end_s"] + 0.05, state["stages"]
         assert stage(state, "cuda_graphs")["detail"]["restored"], state["stages"]
         weights = stage(state, "weights")["detail"]
-        assert weights.get("during_restore", False) == (name == "helper"), weights
+        assert weights.get("during_restore", False) == (name != "auto"), weights
         # the helper's memory was mapped as it came: the KV cache and graphs were set up before its report
-        assert ("waited_s" in weights) == (name == "helper"), weights
+        assert ("waited_s" in weights) == (name != "auto"), weights
     assert len(served["cold"][0]) == 24
     assert served["auto"] == served["cold"] and served["helper"] == served["cold"]
+    assert served["whole-table"] == served["cold"]
 
 
 def test_several_models_process_snapshot_serves_like_a_fresh_start(tiny_model, tmp_path):

@@ -91,7 +91,17 @@ def test_the_memory_arrives_before_its_report_and_the_report_after_the_ack():
                                   "tiers": {"disk": {"bytes": 11}}}})
     started, finished, detail = exported.arrived()
     assert (started, finished) == (sent.started, sent.finished)
-    assert detail == {"bytes": 11, "during_restore": True, "tiers": sent.tiers, "helper_context_s": 0.25}
+    assert detail == {"bytes": 11, "during_restore": True, "tiers": sent.tiers, "deferred_chunks": 0,
+                      "helper_context_s": 0.25}
+    assert exported.deferred == frozenset()
+    os.close(memory)
+
+
+def test_the_chunks_the_helper_left_out_arrive_with_its_report():
+    helper_end, exported, memory = memory_taken_and_mapped()
+    _send(helper_end, {"report": {"ok": True, "started": 1.0, "finished": 2.0, "bytes": 11, "deferred": [0, 1, 2]}})
+    assert exported.arrived()[2]["deferred_chunks"] == 3
+    assert exported.deferred == frozenset({0, 1, 2})  # the restored process reads them (EMBEDDING_LAST)
     os.close(memory)
 
 
