@@ -10,7 +10,7 @@ boot log's cuda_graphs detail, docs/bench.md) shows what it waits on: a file rea
 
 Run as root (another process's kernel stack, and py-spy's ptrace). py-spy stops the process for the time of a
 dump (tens of milliseconds), so the samples slow what they watch a little. Writes {"command", "every_s",
-"samples": [{"s" (since the command began), "pid", "threads": {TID: {"wchan", "kernel_stack"}}, "py_spy"
+"samples": [{"s" (since the command began), "pid", "threads": {TID: {"comm", "wchan", "kernel_stack"}}, "py_spy"
 (its dump's text, or why there is none)}]}. Exit 2 with one line on bad input; otherwise the command's exit
 status.
 """
