@@ -15,7 +15,8 @@ import pytest
 from runtime.weights.residency import cached_bytes
 from snapshots import start_pages
 from snapshots.start_pages import LIST_FILE, FilePages, read_list
-from snapshots.start_pages_record import GAP_BYTES, PAGE, evict, files_under, read_pages, touched_pages, write_list
+from snapshots.start_pages_record import (GAP_BYTES, PAGE, evict, files_under, read_folders, read_pages, touched_pages,
+                                          write_list)
 from tests.test_weights_prefetch import STILL_CACHED
 from tests.test_weights_prefetch import drop_from_page_cache as drop_files
 
@@ -100,6 +101,14 @@ def test_what_a_start_read_of_a_folder_rather_than_mapped_is_listed(tmp_path):
     reading = start_pages.start(str(snapshots), "process")
     assert reading is not None and reading.join(30) and reading.error is None
     assert STILL_CACHED * pages.bytes <= cached_bytes(read) <= pages.bytes and cached_bytes(unread) == 0
+
+
+def test_the_folders_read_are_the_triton_cache_the_function_is_baked_with_and_tritons_package(tmp_path,
+                                                                                               monkeypatch):
+    triton = pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "kernels"))
+    folders = read_folders()
+    assert str(tmp_path / "kernels") in folders and str(Path(triton.__file__).parent) in folders
 
 
 def write_snapshot_list(snapshot_dir: Path, files: list[FilePages]) -> None:
