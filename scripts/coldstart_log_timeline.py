@@ -2,8 +2,8 @@
 the run's JSON: the start pages' read, the weights' prefetch (when it was widened to all its threads, when its
 last read ended, and how much later than the round's reference read of the weights took), when the restore
 handed over, how much of the weights was in the page cache when the bootstrap chose who streams them, when the
-helper began its stream, and how long after the prefetch's last read the runtime was ready. Times are seconds
-since spawn unless a column says otherwise.
+helper began its stream, and how long after the prefetch's last read the runtime was ready and the first token
+came (negative: before it). Times are seconds since spawn unless a column says otherwise.
 
     python scripts/coldstart_log_timeline.py docs/benchmarks/coldstart-h200-llama-3-8b-dropped.json
 
@@ -47,6 +47,9 @@ class StartTimes:
     prefetch_over_reference_s: float | None = None  # what the prefetch took beyond the round's reference read
     ready: float | None = None
     ready_after_prefetch_s: float | None = None
+    # the first token against the prefetch's last read, whose time the disk decides: what a start's own order of
+    # work gains or loses, with the disk's spread from round to round taken out
+    answer_after_prefetch_s: float | None = None
 
 
 def read_start(mode: str, run: int, record: dict, log: str) -> StartTimes:
@@ -71,6 +74,7 @@ def read_start(mode: str, run: int, record: dict, log: str) -> StartTimes:
         after = (_clock(ready.group(1)) - _clock(prefetched.group(1))).total_seconds()
         times.ready_after_prefetch_s = round(after, 3)
         times.prefetch_end = round(times.ready - after, 3)
+        times.answer_after_prefetch_s = round(times.spawn_to_first_token - times.prefetch_end, 3)
         if record.get("reference_read_s"):
             times.prefetch_over_reference_s = round(times.prefetch_end - record["reference_read_s"], 3)
     return times

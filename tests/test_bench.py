@@ -512,11 +512,17 @@ def test_the_log_timeline_reads_every_start_of_a_run_from_its_boot_logs(coldstar
     done = log_timeline(run)
     assert done.returncode == 0, done.stderr
     references = [r["reference_read_s"] for r in json.loads((REPO / run).read_text())["modes"]["process"]["runs"]]
-    rows = [row for row in timeline_rows(done.stdout) if row["mode"] == "process"]
-    assert len(rows) == len(references) == 5
-    for row, reference in zip(rows, references):
+    rows = timeline_rows(done.stdout)
+    table_last = [row for row in rows if row["mode"] == "process"]
+    assert len(table_last) == len(references) == 5
+    for row, reference in zip(table_last, references):
         over = float(row["prefetch_over_reference_s"])
         assert float(row["prefetch_end"]) - over == pytest.approx(reference, abs=2e-3)
+    # the first token against the prefetch's last read: before it with the table read last, after it without
+    for row in rows:
+        answer = float(row["answer_after_prefetch_s"])
+        assert answer == pytest.approx(float(row["spawn_to_first_token"]) - float(row["prefetch_end"]), abs=2e-3)
+        assert (answer < 0) == (row["mode"] == "process")
 
     (tmp_path / "logs").mkdir()
     (tmp_path / "run.json").write_text(json.dumps({"modes": {}}))
