@@ -92,7 +92,11 @@ def stream_for_handover(layout_dir: Path, channel: socket.socket, memory_first: 
     freed = reported = False
     try:
         context_s = round(time.time() - started, 4)
-        deferred = _deferred(manifest) if embedding_last else frozenset()
+        deferred = frozenset()
+        if embedding_last:
+            from runtime.weights.embedding_blocks import deferred_chunks
+
+            deferred = deferred_chunks(manifest)
         report = None if memory_first else _stream(layout_dir, manifest, memory, deferred)
         fd = memory.export()
         try:
@@ -129,12 +133,6 @@ def _local_manifest(layout_dir: Path):
         raise ValueError(f"{len(missing)} weight files are not on local disk (e.g. {missing[0]})")
     READERS.start(readers_for(manifest, LoaderOptions()))  # while none runs: before the CUDA context
     return manifest
-
-
-def _deferred(manifest) -> frozenset[int]:
-    from runtime.weights.embedding_blocks import deferred_chunks
-
-    return deferred_chunks(manifest)
 
 
 def _stream(layout_dir: Path, manifest, memory: "ExportableMemory", deferred: frozenset[int]) -> StreamReport:

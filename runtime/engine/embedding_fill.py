@@ -15,7 +15,6 @@ they are, with an error naming the block, and the table stays incomplete.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -31,6 +30,7 @@ from runtime.weights.embedding_blocks import EmbeddingBlocks
 from runtime.weights.errors import WeightsError
 from runtime.weights.loader import layout_chunks
 from runtime.weights.manifest import Manifest
+from runtime.weights.sources import LocalFile
 
 log = get_logger("engine.embedding_fill")
 
@@ -64,7 +64,7 @@ class EmbeddingFill:
         self.deferred_bytes = hi - lo
         self._table = buffer[b.buffer_offset:b.buffer_offset + b.rows * b.row_bytes]
         self._timeline = timeline
-        self._fd = os.open(b.file, os.O_RDONLY)
+        self._file: LocalFile | None = LocalFile(b.file)
         self._pool = ThreadPoolExecutor(READERS, thread_name_prefix="embedding-rows")
         self._thread = threading.Thread(target=self._fill, name="embedding-fill", daemon=True)
         self.failed: dict[int, str] = {}  # block -> why
@@ -96,9 +96,9 @@ class EmbeddingFill:
     def close(self) -> None:
         """Done: by the caller of `ensure`, once it has seen `complete` (no step reads a block any more)."""
         self._pool.shutdown(wait=False)
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        if self._file is not None:
+            self._file.close(ok=True)
+            self._file = None
 
     @property
     def missing_blocks(self) -> int:
@@ -137,12 +137,7 @@ class EmbeddingFill:
 
     def _read(self, offset: int, n: int) -> bytearray:
         data = bytearray(n)
-        view, done = memoryview(data), 0
-        while done < n:
-            got = os.preadv(self._fd, [view[done:]], self.blocks.file_offset + offset + done)
-            if got == 0:
-                raise WeightsError(f"{self.blocks.file}: ends before the embedding table does")
-            done += got
+        self._file.read_into(self.blocks.file_offset + offset, memoryview(data))
         return data
 
     def _copy_checked(self, block: int, data) -> bool:

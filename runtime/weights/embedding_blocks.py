@@ -52,9 +52,11 @@ def deferred_span(tensors: list[tuple[str, int, int]], chunks: list[tuple[int, i
 def deferred_chunks(manifest: "Manifest") -> frozenset[int]:
     """The layout chunks (runtime/weights/loader.py's `layout_chunks` order) a restore may read last: none
     unless the layout has block digests for its table."""
+    from runtime.weights.loader import layout_chunks
+
     if BLOCKS_FILE not in manifest.model_files:
         return frozenset()
-    chunks = [(f.buffer_offset + o, n) for f in manifest.files for o, n in f.chunks()]
+    chunks = [(c.buffer_offset, c.length) for c in layout_chunks(manifest)]
     span = deferred_span([(t.name, t.offset, t.nbytes) for t in manifest.plan.tensors], chunks)
     if span is None:
         return frozenset()
