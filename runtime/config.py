@@ -18,6 +18,7 @@ from typing import Any, Callable, Mapping, Sequence
 from runtime.setting_text import EARLY_DEFAULTS, FALSE_WORDS, TRUE_WORDS
 from runtime.weights.prefetch import READERS as PREFETCH_READERS
 from runtime.weights.prefetch import RESTORE_READERS as PREFETCH_RESTORE_READERS
+from runtime.weights.prefetch import TABLE_READERS as PREFETCH_TABLE_READERS
 
 
 class ConfigError(ValueError):
@@ -297,6 +298,10 @@ class Settings:
         "PREFETCH_RESTORE_READERS", _positive_int, PREFETCH_RESTORE_READERS,
         "threads of the PREFETCH_READERS the weights' prefetch reads with until the CRIU restore faas-bootstrap "
         "began has handed over (fewer large reads ahead of the restore's own small ones in the disk's queue)")
+    prefetch_table_readers: int = _setting(
+        "PREFETCH_TABLE_READERS", _positive_int, PREFETCH_TABLE_READERS,
+        "threads of the PREFETCH_READERS that read the embedding table's chunks, last of a restore that serves "
+        "before they are in (EMBEDDING_LAST): the rows its steps read meanwhile wait behind fewer large reads")
     prefetch_start_pages: bool = _setting(
         "PREFETCH_START_PAGES", _bool, EARLY_DEFAULTS["PREFETCH_START_PAGES"],
         "faas-bootstrap reads the file pages faas-build saw a start from the CRIU snapshot touch (its libraries' "

@@ -51,8 +51,11 @@ def main(argv: list[str] | None = None) -> int:
             table_last = (kind == "process" and early_flag(argv, os.environ, "EMBEDDING_LAST")
                           and setting(argv, os.environ, "DEVICE") != "cpu"
                           and (helper is None or helper.strip().lower() not in FALSE_WORDS + ("never",)))
+            table_readers = prefetch.readers(setting(argv, os.environ, "PREFETCH_TABLE_READERS"),
+                                             prefetch.TABLE_READERS)
             prefetch.start(setting(argv, os.environ, "MODEL"), after=pages, readers=readers,
-                           restore_readers=during_restore if kind is not None else None, embedding_last=table_last)
+                           restore_readers=during_restore if kind is not None else None, embedding_last=table_last,
+                           table_readers=table_readers)
     if sys.flags.no_site:
         import site
 

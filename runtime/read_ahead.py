@@ -4,12 +4,13 @@ Nothing waits for a read-ahead: whoever reads the same bytes later finds them in
 the read in flight rather than starting another. A read that fails ends that thread's share quietly (`error`
 says what failed): whoever needs the bytes reads them, and says what is wrong.
 
-Imports: os, threading and time (the entry point imports this once it has started CRIU); the page-cache
+Imports: itertools, os, threading and time (the entry point imports this once it has started CRIU); the page-cache
 checks import ctypes (runtime/weights/residency.py) when first made.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
@@ -28,10 +29,12 @@ class ReadAhead:
     cache is not read again. FIRST_READERS: how many of the READERS start at once, the others with `widen()`
     (fewer large reads in the disk's queue while other small ones must not wait long). LAST: how many of the
     PIECES, at their end, start only once every piece before them has been read (or failed): those before them
-    then do not share the disk with them."""
+    then do not share the disk with them; LAST_READERS: how many threads read those (the others end there, so
+    that a read someone waits for meanwhile has fewer large ones ahead of it in the disk's queue)."""
 
     def __init__(self, what: str, pieces: list[Piece], readers: int, after: "ReadAhead | None" = None,
-                 exact: bool = False, first_readers: int | None = None, last: int = 0) -> None:
+                 exact: bool = False, first_readers: int | None = None, last: int = 0,
+                 last_readers: int | None = None) -> None:
         self.what = what
         self.readers = readers
         self.bytes = sum(length for _, _, length in pieces)
@@ -45,6 +48,8 @@ class ReadAhead:
         self._lock = threading.Lock()
         self._first_last = len(pieces) - last if last > 0 else None  # the index of the first of the LAST pieces
         self._read_before_last = 0
+        self._last_readers = last_readers or readers
+        self._reading_last = 0  # threads that have taken one of the LAST pieces
         self._all_before_last = threading.Condition(self._lock)
         self._running = self._threads = 0
         self._announced = False  # logging is set up after the read-ahead starts
@@ -67,17 +72,17 @@ class ReadAhead:
 
     def _read(self) -> None:
         fds: dict[str, int] = {}
+        reads_last = False
         try:
             if self.after is not None:
                 self.after.done.wait()
             buffer = bytearray(READ_BYTES)
             while True:
-                with self._lock:
-                    taken = next(self._pieces, None)
+                taken, reads_last = self._take(reads_last)
                 if taken is None:
                     return
                 index, (path, offset, length) = taken
-                if self._first_last is not None and index >= self._first_last:
+                if reads_last:
                     with self._all_before_last:
                         self._all_before_last.wait_for(lambda: self._read_before_last >= self._first_last)
                 try:
@@ -98,12 +103,26 @@ class ReadAhead:
                 os.close(fd)
             with self._lock:
                 self._running -= 1
+                self._reading_last -= reads_last  # a thread that failed leaves its place to one still running
                 if self._running == 0:
                     self.ended = time.time()
                     self.done.set()
                 report = self._running == 0 and self._announced
             if report:
                 self.report()
+
+    def _take(self, reads_last: bool) -> tuple[tuple[int, Piece] | None, bool]:
+        """The next piece (its index and itself) for a thread, and whether the thread reads the LAST pieces; no
+        piece when it is to end: none left, or the next one of the LAST with LAST_READERS threads on them."""
+        with self._lock:
+            taken = next(self._pieces, None)
+            if taken is None or reads_last or self._first_last is None or taken[0] < self._first_last:
+                return taken, reads_last
+            if self._reading_last >= self._last_readers:
+                self._pieces = itertools.chain([taken], self._pieces)  # left to a thread that reads them
+                return None, False
+            self._reading_last += 1
+            return taken, True
 
     def _open(self, path: str) -> int:
         fd = os.open(path, os.O_RDONLY)

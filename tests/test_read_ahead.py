@@ -65,6 +65,30 @@ def test_the_last_pieces_wait_until_every_piece_before_them_is_read(tmp_path):
     assert cached_bytes(table) >= STILL_CACHED * 4 * MiB and reading.error is not None
 
 
+def test_the_last_pieces_are_read_by_last_readers_threads_and_the_others_end(tmp_path):
+    """The embedding table's pieces on PREFETCH_TABLE_READERS of the prefetch's threads: with one, a table piece
+    waits while that thread is held on the piece before it, and the other threads have ended."""
+    blocked = tmp_path / "slow"
+    os.mkfifo(blocked)  # its open blocks until a writer opens it: the one table reader held there
+    other, table = tmp_path / "other.bin", tmp_path / "table.bin"
+    for path in (other, table):
+        path.write_bytes(os.urandom(4 * MiB))
+    drop_from_page_cache([str(other), str(table)])
+
+    reading = ReadAhead("table readers", [(str(other), 0, 4 * MiB), (str(blocked), 0, 4096),
+                                          (str(table), 0, 4 * MiB)], 3, last=2, last_readers=1)
+    deadline = time.time() + 10
+    while cached_bytes(other) < STILL_CACHED * 4 * MiB and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)
+    assert cached_bytes(other) >= STILL_CACHED * 4 * MiB
+    assert cached_bytes(table) == 0 and not reading.done.is_set()
+    assert len([t for t in threading.enumerate() if t.name == reading.what]) == 1
+
+    os.close(os.open(blocked, os.O_WRONLY))  # the held open returns; a pipe cannot be read at an offset
+    assert reading.join(30) and reading.error is not None
+
+
 def test_the_probe_reads_pages_then_weights_each_way_or_says_why_not(tmp_path, tiny_model):
     """scripts/probe_read_ahead_beside_python.py, from a dropped page cache, alone and beside Python: the layout
     ends up in the page cache each way; a way it cannot parse is one line and exit 2."""

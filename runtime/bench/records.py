@@ -25,7 +25,8 @@ ALL_MODES = SERVER_MODES + (BASELINE_MODE,)
 #: has the weights' helper hand its memory over only with the stream's report (WEIGHTS_MEMORY_FIRST=0);
 #: process-site and cold-site start the entry point after `site`, as the `faas-bootstrap` script does (SITE_FIRST);
 #: process-probing and gpu-probing leave criu to probe the kernel's features itself (CRIU_FEATURE_CACHE=0);
-#: process-whole-table has the weights' helper stream the whole embedding table before serving (EMBEDDING_LAST=0)
+#: process-whole-table has the weights' helper stream the whole embedding table before serving (EMBEDDING_LAST=0);
+#: process-table-16-readers reads the table last on all 16 threads of the prefetch, not 4 (PREFETCH_TABLE_READERS)
 VARIANTS = {"process-site": ("process", {}),
             "cold-site": ("cold", {}),
             "process-lazy": ("process", {"LAZY_PAGES": "1"}),
@@ -44,7 +45,8 @@ VARIANTS = {"process-site": ("process", {}),
             "process-unprimed": ("process", {"PRIME_DRIVER": "0"}),
             "process-probing": ("process", {"CRIU_FEATURE_CACHE": "0"}),
             "gpu-probing": ("gpu", {"CRIU_FEATURE_CACHE": "0"}),
-            "process-whole-table": ("process", {"EMBEDDING_LAST": "0"})}
+            "process-whole-table": ("process", {"EMBEDDING_LAST": "0"}),
+            "process-table-16-readers": ("process", {"PREFETCH_TABLE_READERS": "16"})}
 SITE_FIRST = ("process-site", "cold-site")
 
 

@@ -11,7 +11,8 @@ point started is under way, only RESTORE_READERS of the threads read (PREFETCH_R
 `widen`s it to all of them once the restore has handed over, or once it knows that it restores nothing. A
 process restore that serves before the embedding table is in (EMBEDDING_LAST) has the table's pieces read last,
 each started only once every other piece has been read: the other weights, which the first token waits for,
-do not share the disk with them.
+do not share the disk with them, and only TABLE_READERS threads read them (PREFETCH_TABLE_READERS): the
+runtime, serving by then, reads the rows its steps need behind them.
 
 It is left out where it cannot help: the weights in the page cache already (runtime/weights/residency.py, or
 a kernel that cannot say), more of them than the memory available (they would evict each other), a model
@@ -39,6 +40,9 @@ READERS = 16
 #: after spawn instead of 2.7-5.9 s, and no start waited for the weights' helper after their last read; the
 #: median start was no faster (docs/benchmarks.md)
 RESTORE_READERS = 4
+#: of which read the embedding table's pieces, last of a restore that serves before they are in
+#: (PREFETCH_TABLE_READERS): the rows a step reads from the layout meanwhile wait behind fewer large reads
+TABLE_READERS = 4
 #: what one thread reads before it takes the next piece
 PIECE_BYTES = 64 << 20
 #: the share of the memory available the weights may take
@@ -138,8 +142,9 @@ skipped: str | None = None
 
 
 def readers(text: str | None, default: int = READERS) -> int:
-    """PREFETCH_READERS's (or PREFETCH_RESTORE_READERS's) text as a count of threads; DEFAULT where it is unset
-    or not a positive number (the bootstrap's parse of the settings says what is wrong with it)."""
+    """PREFETCH_READERS's (or PREFETCH_RESTORE_READERS's, PREFETCH_TABLE_READERS's) text as a count of threads;
+    DEFAULT where it is unset or not a positive number (the bootstrap's parse of the settings says what is wrong
+    with it)."""
     try:
         count = int(text) if text is not None else default
     except ValueError:
@@ -148,10 +153,11 @@ def readers(text: str | None, default: int = READERS) -> int:
 
 
 def start(model: str | None, after: ReadAhead | None = None, readers: int = READERS,
-          restore_readers: int | None = None, embedding_last: bool = False) -> ReadAhead | None:
+          restore_readers: int | None = None, embedding_last: bool = False,
+          table_readers: int = TABLE_READERS) -> ReadAhead | None:
     """Start prefetching MODEL's weights (`current`) on READERS threads, once AFTER has been read if given,
     else say why not (`skipped`); on RESTORE_READERS of them until `widen()`; with EMBEDDING_LAST (a process
-    restore that may defer part of the table) that part last. Never raises."""
+    restore that may defer part of the table) that part last, on TABLE_READERS of them. Never raises."""
     global current, skipped
     current = skipped = None
     try:
@@ -162,7 +168,7 @@ def start(model: str | None, after: ReadAhead | None = None, readers: int = READ
             # the table's pieces wait until every other piece is in: the last of the other weights, which the
             # first token waits for, then has the disk to itself
             current = ReadAhead("weights prefetch", first + later, readers, after, first_readers=restore_readers,
-                                last=len(later))
+                                last=len(later), last_readers=table_readers)
     except Exception as exc:  # noqa: BLE001 - the weights are read by whoever streams them, as without it
         skipped = f"{type(exc).__name__}: {exc}"
     return current
