@@ -40,6 +40,7 @@ class ReadAhead:
         self.bytes = sum(length for _, _, length in pieces)
         self.after = after
         self.exact = exact
+        self.last = last
         self.started = time.time()
         self.ended: float | None = None
         self.error: str | None = None
@@ -136,6 +137,8 @@ class ReadAhead:
 
         threads = (f"{self.first_readers} threads, {self.readers} once widened" if self.first_readers < self.readers
                    else f"{self.readers} threads")
+        if self._first_last is not None:
+            threads += f", the last {self.last} pieces on {min(self._last_readers, self.readers)}"
         get_logger("read_ahead").info("%s: reading %.2f GiB into the page cache with %s%s", self.what,
                                       self.bytes / 2**30, threads,
                                       f", after the {self.after.what}" if self.after is not None else "")
