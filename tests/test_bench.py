@@ -508,7 +508,7 @@ def test_the_log_timeline_reads_every_start_of_a_run_from_its_boot_logs(coldstar
     assert {row["prefetch_over_reference_s"] for row in rows} == {""}  # read its reference once, before the starts
 
     # a run that read the reference every round: how much longer than it the prefetch took, start by start
-    run = "docs/benchmarks/coldstart-h200-llama-3-8b-dropped.json"
+    run = "docs/benchmarks/coldstart-h200-llama-3-8b-dropped-table-last.json"
     done = log_timeline(run)
     assert done.returncode == 0, done.stderr
     references = [r["reference_read_s"] for r in json.loads((REPO / run).read_text())["modes"]["process"]["runs"]]
@@ -529,6 +529,27 @@ def test_the_log_timeline_reads_every_start_of_a_run_from_its_boot_logs(coldstar
     for bad, why in (("missing.json", "missing.json"), ("run.json", "holds no start")):
         done = log_timeline(str(tmp_path / bad))
         assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and why in done.stderr, done.stderr
+
+
+def test_the_stage_ranges_span_each_value_over_a_modes_starts(coldstart, tmp_path):
+    """scripts/coldstart_stage_ranges.py on a fresh run: each stage's length and each detail's number as the
+    range over the mode's starts, from the JSON; a mode the run lacks, or no run, is one line and exit 2."""
+    out, _ = coldstart
+    run = out / "coldstart.json"
+    done = subprocess.run([sys.executable, "scripts/coldstart_stage_ranges.py", str(run), "--modes", "cold"],
+                          cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    (start,) = json.loads(run.read_text())["modes"]["cold"]["runs"]
+    lines = done.stdout.splitlines()
+    assert lines[0] == f"cold: 1 starts, spawn to first token {start['spawn_to_first_token_s']:.3f} s"
+    for stage in start["stages"]:
+        (line,) = [line for line in lines if line.startswith(f"  {stage['stage']}: ")]
+        assert f"seconds {stage['seconds']:.3f}" in line
+    for bad, why in ((["--modes", "nothing"], "no mode nothing"), ([], "not a faas-bench coldstart JSON")):
+        path = str(run) if bad else str(tmp_path / "missing.json")
+        done = subprocess.run([sys.executable, "scripts/coldstart_stage_ranges.py", path, *bad], cwd=REPO,
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1 and why in done.stderr
 
 
 def test_a_warm_run_warms_the_directory_transformers_loads_and_the_libraries_every_start_imports(tiny_model,
