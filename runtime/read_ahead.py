@@ -49,7 +49,7 @@ class ReadAhead:
         self._lock = threading.Lock()
         self._first_last = len(pieces) - last if last > 0 else None  # the index of the first of the LAST pieces
         self._read_before_last = 0
-        self._last_readers = last_readers or readers
+        self._last_readers = min(last_readers or readers, readers)
         self._reading_last = 0  # threads that have taken one of the LAST pieces
         self._all_before_last = threading.Condition(self._lock)
         self._running = self._threads = 0
@@ -138,7 +138,7 @@ class ReadAhead:
         threads = (f"{self.first_readers} threads, {self.readers} once widened" if self.first_readers < self.readers
                    else f"{self.readers} threads")
         if self._first_last is not None:
-            threads += f", the last {self.last} pieces on {min(self._last_readers, self.readers)}"
+            threads += f", the last {self.last} pieces on {self._last_readers}"
         get_logger("read_ahead").info("%s: reading %.2f GiB into the page cache with %s%s", self.what,
                                       self.bytes / 2**30, threads,
                                       f", after the {self.after.what}" if self.after is not None else "")

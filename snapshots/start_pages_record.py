@@ -119,7 +119,8 @@ def read_folders() -> list[str]:
     """Folders whose files a start reads rather than maps: Triton's cache (a baked kernel's metadata and binary,
     read at its first launch in a process, one small file after another) and Triton's package (the libraries
     its CUDA backend hashes into a kernel's key). From cold disk those reads wait behind the weights' in the
-    disk's queue: the decode graphs' kernel loads once lasted as long as the weights' stream. [] without Triton."""
+    disk's queue: unlisted, the decode graphs' kernel loads last as long as the weights' stream
+    (docs/benchmarks.md). [] without Triton."""
     try:
         import triton
         from triton import knobs

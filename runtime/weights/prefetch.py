@@ -64,8 +64,12 @@ def _split(files: list[tuple[str, int]], last: tuple[str, int, int] | None) -> t
     if last is None:
         return every, []
     path, start, end = last
-    later = [p for p in every if p[0] == path and p[1] >= start and p[1] + p[2] <= end]
-    return [p for p in every if p not in later], later
+    first: list[Piece] = []
+    later: list[Piece] = []
+    for piece in every:
+        inside = piece[0] == path and piece[1] >= start and piece[1] + piece[2] <= end
+        (later if inside else first).append(piece)
+    return first, later
 
 
 def layout_files(model: str) -> list[tuple[str, int]] | None:
